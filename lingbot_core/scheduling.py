@@ -1,0 +1,103 @@
+"""Sigma grids, integer timesteps and the UniPC-bh2 solver used by LingBot-Video.
+
+The reference uses Wan 2.1's FlowUniPC scheduler. Its solver is the same as diffusers'
+``UniPCMultistepScheduler`` in flow-prediction mode; only the sigma grid differs. We therefore build
+the reference grid here and hand it to diffusers' scheduler as an explicit sigma list (with
+``flow_shift=1.0`` so the shift is not applied twice).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+import torch
+from diffusers import UniPCMultistepScheduler
+
+SIGMA_MAX = float(np.float32(0.999))  # 0.9990000128746033, the reference's fp32 sigma_max
+SIGMA_MIN = 0.0
+
+
+def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
+    """The ``steps`` shifted sigmas of the FlowUniPC grid (float64, no trailing zero)."""
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}.")
+    if not np.isfinite(shift) or shift <= 0:
+        raise ValueError(f"shift must be a positive finite number, got {shift}.")
+    base = np.linspace(SIGMA_MAX, SIGMA_MIN, steps + 1)[:-1]
+    return shift * base / (1 + (shift - 1) * base)
+
+
+def timesteps_from_sigmas(sigmas: np.ndarray) -> np.ndarray:
+    """Integer timesteps as the reference computes them: ``int64(sigma * 1000)`` (truncation)."""
+    return (np.asarray(sigmas, dtype=np.float64) * 1000).astype(np.int64)
+
+
+def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -> np.ndarray:
+    """The refiner's schedule: the normal grid cut at ``t_thresh``, started at it, plus tail points."""
+    if not (0.0 < t_thresh <= 1.0) or not np.isfinite(t_thresh):
+        raise ValueError(f"t_thresh must be in (0, 1], got {t_thresh}.")
+    if tail_steps < 0:
+        raise ValueError(f"tail_steps must be >= 0, got {tail_steps}.")
+    grid = shifted_sigmas(steps, shift)
+    kept = grid[grid <= t_thresh + 1e-6]
+    if len(kept) == 0 or abs(kept[0] - t_thresh) > 1e-6:
+        kept = np.concatenate([[t_thresh], kept])
+    if tail_steps:
+        last = kept[-1]
+        tail = np.linspace(last, min(SIGMA_MIN, last), tail_steps + 2)[1:-1]
+        kept = np.concatenate([kept, tail])
+    if (
+        len(kept) == 0 or not np.all(np.isfinite(kept)) or kept.min() < 0 or kept.max() > 1
+        or np.any(np.diff(kept) >= 0) or abs(kept[0] - t_thresh) > 1e-6
+    ):
+        raise ValueError(f"invalid refiner sigma schedule {kept.tolist()} (steps={steps}, t_thresh={t_thresh}).")
+    return kept
+
+
+def model_timestep(t_int: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The timestep value fed to the DiT, as the reference computes it for a DiT of ``dtype``.
+
+    ``t / 1000`` is cast to the DiT dtype and multiplied by 1000 *in that dtype*, so a bf16/fp16 DiT
+    sees a value rounded twice (999 -> 1000, 991 -> 992). For fp32 this is the integer itself.
+    """
+    sigma = (t_int.to(torch.float32) / 1000).to(dtype)
+    return (sigma * 1000).float()
+
+
+def load_scheduler_config(path: Optional[str]) -> dict:
+    """Read ``scheduler_config.json`` and check it describes the solver we implement."""
+    cfg = {}
+    if path and os.path.isfile(path):
+        with open(path, "r", encoding="utf-8") as f:
+            cfg = json.load(f)
+    expected = {"prediction_type": "flow_prediction", "solver_type": "bh2", "predict_x0": True}
+    for key, want in expected.items():
+        if key in cfg and cfg[key] != want:
+            raise ValueError(f"scheduler/scheduler_config.json: {key}={cfg[key]!r} is not supported (expected {want!r}).")
+    return cfg
+
+
+def make_scheduler(sigmas: np.ndarray, config: Optional[dict] = None) -> UniPCMultistepScheduler:
+    """A fresh diffusers UniPC-bh2 scheduler stepping exactly through ``sigmas`` (then 0).
+
+    ``config`` is the package's scheduler config; its ``shift`` is ignored on purpose: the shift is
+    already inside ``sigmas`` (the reference passes it at ``set_timesteps`` time).
+    """
+    config = config or {}
+    scheduler = UniPCMultistepScheduler(
+        num_train_timesteps=int(config.get("num_train_timesteps", 1000)),
+        solver_order=int(config.get("solver_order", 2)),
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=1.0,
+        predict_x0=True,
+        solver_type="bh2",
+        lower_order_final=bool(config.get("lower_order_final", True)),
+        disable_corrector=list(config.get("disable_corrector", [])),
+        final_sigmas_type="zero",
+    )
+    scheduler.set_timesteps(sigmas=np.asarray(sigmas, dtype=np.float32).astype(np.float64))
+    return scheduler

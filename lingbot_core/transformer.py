@@ -1,0 +1,422 @@
+"""The LingBot-Video diffusion transformer (dense and MoE), as a diffusers model.
+
+One joint self-attention stream over ``[video tokens, text tokens]`` with 3D RoPE, sandwich RMSNorms,
+tanh-gated residuals and (optionally) a DeepSeek-style sigmoid MoE feed-forward. Parameter names and
+shapes are the released checkpoint's, so ``transformer/`` and ``refiner/`` safetensors load as they are.
+
+Precision: the released weights are bf16 with fp32 "islands" (norms, modulation, time MLPs, router).
+The reference runs the DiT under CUDA autocast; this module reproduces autocast's casts explicitly
+(every linear in the compute dtype, norms/modulation/RoPE/final LayerNorm/router in fp32) so the same
+code runs on CPU without autocast and gives the reference numbers on CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+
+# A tensor stays fp32 when any dot-separated part of its name is one of these.
+FP32_ISLANDS = frozenset(
+    {
+        "time_embedder", "time_modulation", "scale_shift_table", "norm", "norm1", "norm2", "norm_q",
+        "norm_k", "norm_post_attn", "norm_post_ffn", "norm_out", "norm_out_modulation", "router",
+    }
+)
+
+
+def is_fp32_island(name: str) -> bool:
+    return any(part in FP32_ISLANDS for part in name.split("."))
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose forward takes the compute dtype, as autocast would apply it.
+
+    The weights are cast per call, never in place, so fp32-island linears keep fp32 storage. The cast
+    happens inside ``forward`` so that offload hooks on this module fire before its weights are read.
+    """
+
+    def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        dtype = dtype or self.weight.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+
+
+class RMSNorm(nn.Module):
+    """Computed in fp32 with an fp32 weight, returned in the input dtype."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * self.weight.float()).to(x.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Patchify / RoPE / timestep helpers (pure functions, unit-tested on their own)
+# ----------------------------------------------------------------------------------------------
+
+
+def patchify(x: torch.Tensor, patch_size: Sequence[int] = (1, 2, 2)) -> torch.Tensor:
+    """(B, C, T, H, W) -> (B, T*H/2*W/2, C*pt*ph*pw), tokens (f, h, w) raster, channel fastest."""
+    pt, ph, pw = patch_size
+    b, c, t, h, w = x.shape
+    x = x.reshape(b, c, t // pt, pt, h // ph, ph, w // pw, pw)
+    return x.permute(0, 2, 4, 6, 3, 5, 7, 1).reshape(b, (t // pt) * (h // ph) * (w // pw), pt * ph * pw * c)
+
+
+def unpatchify(tokens: torch.Tensor, grid: Sequence[int], channels: int, patch_size: Sequence[int] = (1, 2, 2)):
+    """Inverse of :func:`patchify`."""
+    pt, ph, pw = patch_size
+    gt, gh, gw = grid
+    b = tokens.shape[0]
+    x = tokens.reshape(b, gt, gh, gw, pt, ph, pw, channels)
+    return x.permute(0, 7, 1, 4, 2, 5, 3, 6).reshape(b, channels, gt * pt, gh * ph, gw * pw)
+
+
+def rope_position_ids(grid: Sequence[int], text_len: int) -> torch.Tensor:
+    """(n_video + text_len, 3) int64 positions in joint order: video (L+1+f, h, w), then text (j+1, 0, 0)."""
+    gt, gh, gw = grid
+    f, h, w = torch.meshgrid(torch.arange(gt), torch.arange(gh), torch.arange(gw), indexing="ij")
+    video = torch.stack([f.reshape(-1) + text_len + 1, h.reshape(-1), w.reshape(-1)], dim=-1)
+    text = torch.zeros(text_len, 3, dtype=torch.long)
+    text[:, 0] = torch.arange(text_len) + 1
+    return torch.cat([video, text], dim=0)
+
+
+def rope_frequencies(positions: torch.Tensor, axes_dims: Sequence[int], theta: float) -> torch.Tensor:
+    """complex64 (S, sum(axes_dims)/2): per-axis angles in float64, cast to fp32, then cos + i sin."""
+    tables = []
+    for axis, dim in enumerate(axes_dims):
+        inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        angle = (positions[:, axis].to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
+        tables.append(torch.polar(torch.ones_like(angle), angle))
+    return torch.cat(tables, dim=-1)
+
+
+def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Interleaved-pair rotation of (B, S, heads, head_dim) by complex (S, head_dim/2), in fp32."""
+    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    z = z * freqs[None, :, None, :]
+    return torch.view_as_real(z).flatten(-2).to(x.dtype)
+
+
+def timestep_projection(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
+    """``[cos(t f_k), sin(t f_k)]`` with ``f_k = max_period^(-k/half)`` (diffusers Timesteps, flip_sin_to_cos)."""
+    half = dim // 2
+    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half
+    args = t.float()[:, None] * torch.exp(exponent)[None, :]
+    return torch.cat([torch.cos(args), torch.sin(args)], dim=-1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Modules (names follow the checkpoint)
+# ----------------------------------------------------------------------------------------------
+
+
+class TimestepEmbedder(nn.Module):
+    def __init__(self, freq_dim: int, dim: int, bias: bool):
+        super().__init__()
+        self.linear_1 = Linear(freq_dim, dim, bias=bias)
+        self.linear_2 = Linear(dim, dim, bias=bias)
+
+    def forward(self, t_proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(t_proj, dtype)), dtype)
+
+
+class TextEmbedder(nn.Module):
+    def __init__(self, text_dim: int, dim: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(text_dim, eps)
+        self.linear_1 = Linear(text_dim, dim)
+        self.linear_2 = Linear(dim, dim)
+
+    def forward(self, e: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return self.linear_2(F.silu(self.linear_1(self.norm(e), dtype)), dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, eps: float, qkv_bias: bool, out_bias: bool):
+        super().__init__()
+        self.heads = heads
+        head_dim = dim // heads
+        self.to_q = Linear(dim, dim, bias=qkv_bias)
+        self.to_k = Linear(dim, dim, bias=qkv_bias)
+        self.to_v = Linear(dim, dim, bias=qkv_bias)
+        self.norm_q = RMSNorm(head_dim, eps)
+        self.norm_k = RMSNorm(head_dim, eps)
+        self.to_out = Linear(dim, dim, bias=out_bias)
+
+    def forward(self, a: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        b, s, _ = a.shape
+        q = self.to_q(a, dtype).view(b, s, self.heads, -1)
+        k = self.to_k(a, dtype).view(b, s, self.heads, -1)
+        v = self.to_v(a, dtype).view(b, s, self.heads, -1)
+        q = apply_rope(self.norm_q(q), freqs)
+        k = apply_rope(self.norm_k(k), freqs)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.to_out(o.transpose(1, 2).reshape(b, s, -1), dtype)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        h = F.silu(self.gate_proj(x, dtype)) * self.up_proj(x, dtype)
+        return self.down_proj(h, dtype)
+
+
+class Router(nn.Module):
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts), persistent=True)
+
+
+class Experts(nn.Module):
+    """Raw expert weights; read by :class:`MoEFeedForward` (this container has no forward)."""
+
+    def __init__(self, num_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+
+
+def route_tokens(
+    tokens: torch.Tensor,
+    router_weight: torch.Tensor,
+    correction_bias: torch.Tensor,
+    *,
+    top_k: int,
+    n_group: int,
+    topk_group: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid, group-limited top-k routing. Returns (expert ids (N, k), gate weights fp32 (N, k)).
+
+    Selection uses the bias-corrected score; the gate weights use the bias-free score.
+    """
+    scores = torch.sigmoid(tokens.float() @ router_weight.float().t())
+    select = scores + correction_bias.float()
+    n, e = select.shape
+    if n_group > 1:
+        grouped = select.view(n, n_group, e // n_group)
+        group_score = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(topk_group, dim=-1).indices, 1.0)
+        mask = keep.bool()[:, :, None].expand_as(grouped).reshape(n, e)
+        select = select.masked_fill(~mask, float("-inf"))
+    ids = select.topk(top_k, dim=-1).indices
+    gates = scores.gather(1, ids)
+    if norm_topk_prob:
+        gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+    return ids, gates * routed_scaling_factor
+
+
+class MoEFeedForward(nn.Module):
+    def __init__(self, dim: int, cfg: dict):
+        super().__init__()
+        hidden = cfg["moe_intermediate_size"]
+        self.num_experts = cfg["num_experts"]
+        self.top_k = cfg["num_experts_per_tok"]
+        self.n_group = cfg["n_group"] or 1
+        self.topk_group = cfg["topk_group"] or 1
+        self.norm_topk_prob = cfg["norm_topk_prob"]
+        self.routed_scaling_factor = cfg["routed_scaling_factor"]
+        if cfg["score_func"] != "sigmoid":
+            raise ValueError(f"score_func {cfg['score_func']!r} is not supported (only 'sigmoid').")
+        self.router = Router(dim, self.num_experts)
+        self.experts = Experts(self.num_experts, dim, hidden)
+        n_shared = cfg["n_shared_experts"] or 0
+        self.shared_experts = SwiGLU(dim, hidden * n_shared) if n_shared else None
+
+    def forward(self, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        shape = f.shape
+        tokens = f.reshape(-1, shape[-1])
+        ids, gates = route_tokens(
+            tokens, self.router.weight, self.router.e_score_correction_bias, top_k=self.top_k,
+            n_group=self.n_group, topk_group=self.topk_group, norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+        gates = gates.to(tokens.dtype)
+        # Experts always run with bf16 operands (as the reference), accumulated in fp32.
+        xb = tokens.to(torch.bfloat16)
+        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            x = xb[rows]
+            h = F.silu(x @ self.experts.w1[e].to(torch.bfloat16).t()) * (x @ self.experts.w3[e].to(torch.bfloat16).t())
+            y = h @ self.experts.w2[e].to(torch.bfloat16).t()
+            out.index_add_(0, rows, y.float() * gates[rows, slot].float()[:, None])
+        out = out.to(tokens.dtype)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(tokens, dtype).to(tokens.dtype)
+        return out.reshape(shape)
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, eps: float, qkv_bias: bool, out_bias: bool, ffn: nn.Module):
+        super().__init__()
+        self.scale_shift_table = nn.Parameter(torch.zeros(1, 6 * dim))
+        self.norm1 = RMSNorm(dim, eps)
+        self.attn = Attention(dim, heads, eps, qkv_bias, out_bias)
+        self.norm_post_attn = RMSNorm(dim, eps)
+        self.norm2 = RMSNorm(dim, eps)
+        self.ffn = ffn
+        self.norm_post_ffn = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, temb6: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+        mod = (temb6 + self.scale_shift_table.float())[:, None, :]  # fp32 (B, 1, 6D)
+        shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.chunk(6, dim=-1)
+        a = (self.norm1(x) * (1 + scale_a) + shift_a).to(dtype)
+        o = self.attn(a, freqs, dtype)
+        x = x + (torch.tanh(gate_a) * self.norm_post_attn(o)).to(x.dtype)
+        f = (self.norm2(x) * (1 + scale_f) + shift_f).to(dtype)
+        y = self.ffn(f, dtype)
+        return x + (torch.tanh(gate_f) * self.norm_post_ffn(y)).to(x.dtype)
+
+
+class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
+    """LingBot-Video DiT. ``forward(latents, timestep, text_states)`` returns the flow velocity."""
+
+    _supports_gradient_checkpointing = False
+    _no_split_modules = ["TransformerBlock"]
+    _keep_in_fp32_modules = sorted(FP32_ISLANDS)
+
+    @register_to_config
+    def __init__(
+        self,
+        patch_size: Sequence[int] = (1, 2, 2),
+        in_channels: int = 16,
+        out_channels: int = 16,
+        hidden_size: int = 2048,
+        num_attention_heads: int = 16,
+        depth: int = 24,
+        intermediate_size: int = 6144,
+        text_dim: int = 2560,
+        freq_dim: int = 256,
+        norm_eps: float = 1e-6,
+        rope_theta: float = 256.0,
+        axes_dims: Sequence[int] = (32, 48, 48),
+        axes_lens: Sequence[int] = (8192, 1024, 1024),
+        qkv_bias: bool = False,
+        out_bias: bool = True,
+        patch_embed_bias: bool = True,
+        timestep_mlp_bias: bool = True,
+        num_experts: int = 0,
+        num_experts_per_tok: int = 8,
+        moe_intermediate_size: int = 512,
+        n_group: Optional[int] = None,
+        topk_group: Optional[int] = None,
+        n_shared_experts: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
+        score_func: str = "sigmoid",
+        norm_topk_prob: bool = True,
+        decoder_sparse_step: int = 1,
+        mlp_only_layers: Sequence[int] = (),
+    ):
+        super().__init__()
+        head_dim = hidden_size // num_attention_heads
+        if head_dim * num_attention_heads != hidden_size or sum(axes_dims) != head_dim:
+            raise ValueError(
+                f"transformer config: hidden_size/num_attention_heads = {hidden_size}/{num_attention_heads} "
+                f"must be an integer head_dim equal to sum(axes_dims) = {sum(axes_dims)}."
+            )
+        if any(d % 2 for d in axes_dims):
+            raise ValueError(f"transformer config: every axes_dims entry must be even, got {list(axes_dims)}.")
+        if num_experts:
+            groups = n_group or 1
+            if num_experts % groups or num_experts // groups < 2 or (topk_group or 1) * (num_experts // groups) < num_experts_per_tok:
+                raise ValueError(
+                    f"transformer config: MoE routing needs num_experts % n_group == 0, >= 2 experts per group "
+                    f"and topk_group * experts_per_group >= num_experts_per_tok "
+                    f"(got {num_experts}, {n_group}, {topk_group}, {num_experts_per_tok})."
+                )
+        dim = hidden_size
+        patch_dim = in_channels * math.prod(patch_size)
+        self.patch_embedder = Linear(patch_dim, dim, bias=patch_embed_bias)
+        self.time_embedder = TimestepEmbedder(freq_dim, dim, timestep_mlp_bias)
+        self.time_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 6 * dim))
+        self.text_embedder = TextEmbedder(text_dim, dim, norm_eps)
+        moe_cfg = dict(
+            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=moe_intermediate_size, n_group=n_group, topk_group=topk_group,
+            n_shared_experts=n_shared_experts, routed_scaling_factor=routed_scaling_factor,
+            score_func=score_func, norm_topk_prob=norm_topk_prob,
+        )
+        blocks = []
+        for i in range(depth):
+            is_moe = num_experts > 0 and i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+            ffn = MoEFeedForward(dim, moe_cfg) if is_moe else SwiGLU(dim, intermediate_size)
+            blocks.append(TransformerBlock(dim, num_attention_heads, norm_eps, qkv_bias, out_bias, ffn))
+        self.blocks = nn.ModuleList(blocks)
+        self.norm_out_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
+        self.proj_out = Linear(dim, patch_dim // in_channels * out_channels, bias=True)
+
+    # -- precision ---------------------------------------------------------------------------
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload)."""
+        return self.blocks[0].attn.to_q.weight.dtype
+
+    def to(self, *args, **kwargs):
+        """Like ``nn.Module.to``, but a floating-point dtype cast keeps the fp32 islands in fp32."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is None or not dtype.is_floating_point:
+            return super().to(*args, **kwargs)
+        if device is not None:
+            super().to(device=device, non_blocking=non_blocking)
+        for name, tensor in list(self.named_parameters()) + list(self.named_buffers()):
+            target = torch.float32 if is_fp32_island(name) else dtype
+            if tensor.is_floating_point() and tensor.dtype != target:
+                tensor.data = tensor.data.to(target)
+        return self
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor):
+        """hidden_states (B, C, T, H, W) DiT-space latents; timestep (B,) in [0, 1000];
+        encoder_hidden_states (B, L, text_dim) valid text tokens only (no padding)."""
+        cfg = self.config
+        dtype = self.compute_dtype
+        b, c, t, h, w = hidden_states.shape
+        pt, ph, pw = cfg.patch_size
+        if t % pt or h % ph or w % pw:
+            raise ValueError(f"latent (T, H, W) = {(t, h, w)} is not divisible by patch_size {list(cfg.patch_size)}.")
+        grid = (t // pt, h // ph, w // pw)
+        n_video = grid[0] * grid[1] * grid[2]
+        text_len = encoder_hidden_states.shape[1]
+
+        x = self.patch_embedder(patchify(hidden_states, cfg.patch_size), dtype)
+        u = self.text_embedder(encoder_hidden_states.to(dtype), dtype)
+        x = torch.cat([x, u], dim=1)
+
+        positions = rope_position_ids(grid, text_len)
+        freqs = rope_frequencies(positions, cfg.axes_dims, cfg.rope_theta).to(x.device)
+
+        t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
+        temb6 = self.time_modulation[1](F.silu(t_emb), dtype).float()
+
+        for block in self.blocks:
+            x = block(x, temb6, freqs, dtype)
+
+        shift, scale = self.norm_out_modulation[1](F.silu(t_emb), dtype).float()[:, None, :].chunk(2, dim=-1)
+        x = F.layer_norm(x[:, :n_video].float(), (x.shape[-1],), eps=cfg.norm_eps) * (1 + scale) + shift
+        out = self.proj_out(x, dtype)
+        return unpatchify(out, grid, cfg.out_channels, cfg.patch_size)
