@@ -1,0 +1,19 @@
+"""lingbot_core: a host-independent LingBot-Video inference core (no ComfyUI imports).
+
+Public API: :func:`load_pipeline` and :class:`LingbotPipeline` (stages ``encode_prompt``,
+``encode_image``, ``encode_video``, ``denoise``, ``decode``; runs ``generate`` and ``refine``).
+
+Weights are read from local folders only (``local_files_only=True`` everywhere): no hub access.
+"""
+
+from .latents import Posterior
+from .loading import ModelPackageError, load_pipeline
+from .offload import OFFLOAD_MODES
+from .pipeline import ImageCondition, LingbotPipeline
+from .text_conditioning import PromptEmbeds, frames_for_duration, parse_prompt, serialize_caption
+
+__all__ = [
+    "load_pipeline", "LingbotPipeline", "ImageCondition", "PromptEmbeds", "Posterior", "ModelPackageError",
+    "OFFLOAD_MODES", "frames_for_duration", "parse_prompt", "serialize_caption",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,317 @@
+"""``LingbotPipeline``: the stages (prompt encode, image/video encode, denoise, decode) and the two
+end-to-end runs built from them (``generate`` for T2V/T2I/TI2V, ``refine`` for the refiner pass).
+
+Every stage can be called alone, in any order: each runs inside ``Offloader.stage()`` (nothing
+resident before or after it, also on error), places its inputs on its component's *execution*
+device, and returns its results on the CPU so cached results never pin accelerator memory.
+All randomness comes from one CPU ``torch.Generator`` per run, drawn in the reference's order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+
+from .latents import (
+    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
+    preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
+)
+from .offload import Offloader, check_offload_mode, resolve_device
+from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
+from .sampler import StepCallback, sample
+from .scheduling import refiner_sigmas, shifted_sigmas
+from .text_conditioning import (
+    PromptEmbeds, compact_json, default_negative, encode_text, parse_prompt, template_crop_start, vlm_image,
+)
+
+logger = logging.getLogger("lingbot_core")
+
+PROMPT_CACHE_SIZE = 8
+
+
+@dataclass
+class ImageCondition:
+    """A preprocessed TI2V first frame: its VAE posterior and the pixels the VLM sees (both CPU)."""
+
+    posterior: Posterior
+    pixels: torch.Tensor  # (1, 3, 1, H, W) float in [0, 1]
+
+    @property
+    def size(self) -> Tuple[int, int]:
+        return int(self.pixels.shape[-2]), int(self.pixels.shape[-1])
+
+    def fingerprint(self) -> str:
+        return hashlib.sha1(self.pixels.numpy().tobytes()).hexdigest()
+
+
+def _check_guidance(guidance_scale: float) -> float:
+    g = float(guidance_scale)
+    if not np.isfinite(g) or g < 0 or g > 100:
+        raise ValueError(f"guidance_scale={guidance_scale} is not allowed: use a finite value in [0, 100] (default 3.0).")
+    return g
+
+
+def _check_steps(steps: int) -> int:
+    if not isinstance(steps, (int, np.integer)) or not (1 <= steps <= 1000):
+        raise ValueError(f"steps={steps} is not allowed: use an integer from 1 to 1000.")
+    return int(steps)
+
+
+def _check_seed(seed: int) -> int:
+    if not isinstance(seed, (int, np.integer)) or not (0 <= seed < 2**64):
+        raise ValueError(f"seed={seed} is not allowed: use an integer from 0 to 2^64-1.")
+    return int(seed)
+
+
+def _negative_text(negative_prompt: Optional[str], num_frames: int) -> str:
+    """None -> the mode's default; JSON text -> compact JSON (as a negative file); else verbatim ("" kept)."""
+    if negative_prompt is None:
+        return default_negative(num_frames)
+    stripped = negative_prompt.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            return compact_json(json.loads(stripped))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"negative_prompt starts with '{stripped[0]}' but is not valid JSON ({e.msg} at line {e.lineno}).") from None
+    return negative_prompt
+
+
+OUTPUT_TYPES = ("np", "pt", "latent")
+
+
+def _check_output_type(output_type: str) -> str:
+    if output_type not in OUTPUT_TYPES:
+        raise ValueError(f"output_type={output_type!r} is not allowed: use 'np', 'pt' or 'latent'.")
+    return output_type
+
+
+def _output(frames: torch.Tensor, output_type: str):
+    return frames.numpy() if output_type == "np" else frames
+
+
+class LingbotPipeline:
+    """A loaded LingBot-Video model package. Build it with :func:`lingbot_core.load_pipeline`."""
+
+    def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
+                 model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
+                 offload: str = "none", device=None):
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.processor = processor
+        self.vae = vae
+        self.scheduler_config = dict(scheduler_config)
+        self.model_dir = model_dir
+        self.transformer_subfolder = transformer_subfolder
+        self.normalizer = LatentNormalizer(vae.config.latents_mean, vae.config.latents_std)
+        self.crop_start = template_crop_start(processor)
+        self._prompt_cache: "OrderedDict[tuple, PromptEmbeds]" = OrderedDict()
+        self.offloader = Offloader(
+            {"text_encoder": text_encoder, "transformer": transformer, "vae": vae},
+            preload={
+                # Qwen3-VL's vision tower reads its position-embedding weight directly (older transformers).
+                "text_encoder": [type(text_encoder.model.visual).__name__],
+                # The MoE feed-forward reads raw expert weights; its container never runs a forward.
+                "transformer": ["MoEFeedForward"],
+            },
+        )
+        self.offloader.apply(offload, resolve_device(device))
+
+    # -- placement -------------------------------------------------------------------------------
+
+    @property
+    def offload(self) -> str:
+        return self.offloader.mode
+
+    @property
+    def device(self) -> torch.device:
+        """The execution device (where stages compute), whatever the offload mode."""
+        return self.offloader.device
+
+    @property
+    def is_refiner(self) -> bool:
+        return self.transformer_subfolder == "refiner"
+
+    def set_offload(self, mode: str, device=None) -> None:
+        """Switch offload mode on the loaded weights (old hooks are removed first; no reload)."""
+        self._require_loaded()
+        check_offload_mode(mode)
+        self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
+
+    def release(self) -> None:
+        """Remove hooks and drop every component; the pipeline is unusable afterwards."""
+        self.offloader.release()
+        self.transformer = self.text_encoder = self.vae = self.processor = None
+        self._prompt_cache.clear()
+
+    def _require_loaded(self):
+        if self.transformer is None:
+            raise RuntimeError("this pipeline was released; load the model again.")
+
+    # -- stages ----------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def encode_prompt(self, prompt: str, negative_prompt: Optional[str] = None, *,
+                      condition: Optional[ImageCondition] = None, num_frames: int = 121,
+                      guidance_scale: float = 3.0, null_negative: bool = False) -> PromptEmbeds:
+        """Encode the prompt (and the negative, when guidance is on) with the text encoder.
+
+        ``condition`` adds the TI2V first frame as image tokens to both prompts. ``null_negative``
+        replaces the negative by zeros with the positive's length (the refiner's default). Results are
+        kept in a small per-pipeline LRU cache, so re-running with another seed skips the encoder.
+        """
+        self._require_loaded()
+        text = parse_prompt(prompt).text
+        do_cfg = _check_guidance(guidance_scale) > 1.0
+        neg_text = None if (not do_cfg or null_negative) else _negative_text(negative_prompt, num_frames)
+        key = (text, neg_text, do_cfg, null_negative, condition.fingerprint() if condition is not None else None)
+        if key in self._prompt_cache:
+            self._prompt_cache.move_to_end(key)
+            return self._prompt_cache[key]
+        image = vlm_image(condition.pixels) if condition is not None else None
+        with self.offloader.stage():
+            device = self.offloader.execution_device("text_encoder")
+            positive = encode_text(self.text_encoder, self.processor, text, image, device, self.crop_start)
+            negative = None
+            if do_cfg:
+                negative = (torch.zeros_like(positive) if null_negative
+                            else encode_text(self.text_encoder, self.processor, neg_text, image, device, self.crop_start))
+        embeds = PromptEmbeds(positive, negative, with_image=condition is not None)
+        self._prompt_cache[key] = embeds
+        while len(self._prompt_cache) > PROMPT_CACHE_SIZE:
+            self._prompt_cache.popitem(last=False)
+        return embeds
+
+    @torch.no_grad()
+    def encode_image(self, image, height: int, width: int) -> ImageCondition:
+        """TI2V first frame: scale-to-cover + centre crop to ``height x width``, then VAE encode."""
+        self._require_loaded()
+        check_video_size(1, height, width)
+        pixels = preprocess_first_frame(image, height, width)
+        with self.offloader.stage():
+            posterior = vae_encode(self.vae, pixels, self.offloader.execution_device("vae"))
+        return ImageCondition(posterior, pixels)
+
+    @torch.no_grad()
+    def encode_video(self, video: torch.Tensor, *, tiling: bool = False,
+                     tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE) -> Posterior:
+        """VAE-encode pixels (1, 3, T, H, W) in [0, 1]; returns the posterior (draw it with a generator)."""
+        self._require_loaded()
+        with self.offloader.stage(), vae_tiling(self.vae, tiling, tile_size, tile_stride):
+            return vae_encode(self.vae, video, self.offloader.execution_device("vae"))
+
+    @torch.no_grad()
+    def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
+                guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
+                callback: Optional[StepCallback] = None) -> torch.Tensor:
+        """Run the UniPC sampler from ``latents`` (DiT space) through ``sigmas``; returns the final latent (CPU).
+
+        ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
+        """
+        self._require_loaded()
+        g = _check_guidance(guidance_scale)
+        with self.offloader.stage():
+            device = self.offloader.execution_device("transformer")
+            positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
+            cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)
+            x = sample(
+                self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
+                negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
+                scheduler_config=self.scheduler_config, callback=callback,
+            )
+            return x.to("cpu")
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """DiT-space latents (1, 16, T', h, w) -> frames (T, H, W, 3) float32 in [0, 1] on the CPU."""
+        self._require_loaded()
+        with self.offloader.stage():
+            return vae_decode(self.vae, self.normalizer.to_vae(latents), self.offloader.execution_device("vae"))
+
+    # -- runs ------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None,
+                 height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
+                 guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
+                 condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None):
+        """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
+
+        Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
+        """
+        self._require_loaded()
+        if self.is_refiner:
+            raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
+        check_video_size(num_frames, height, width)
+        steps, seed = _check_steps(steps), _check_seed(seed)
+        sigmas = shifted_sigmas(steps, float(shift))
+        _check_output_type(output_type)
+        if condition is None and image is not None:
+            condition = self.encode_image(image, height, width)
+        if condition is not None and condition.size != (height, width):
+            raise ValueError(f"the image condition was encoded at {condition.size[0]}x{condition.size[1]} but the video is {height}x{width}; encode it at the video size.")
+        embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
+        generator = torch.Generator("cpu").manual_seed(seed)
+        # RNG order: TI2V first-frame posterior draw, then the initial noise.
+        cond_latent = None
+        if condition is not None:
+            cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
+        noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
+        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        if output_type == "latent":
+            return latents
+        return _output(self.decode(latents), output_type)
+
+    def refine(self, frames, prompt: str, *, negative_prompt: Optional[str] = None, first_frame=None,
+               height: int = 1088, width: int = 1920, steps: int = 8, guidance_scale: float = 3.0,
+               shift: float = 3.0, t_thresh: float = 0.85, tail_steps: int = 2, seed: int = 42,
+               fps: float = 24.0, max_frames: Optional[int] = None, vae_tiling: bool = True,
+               tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE,
+               output_type: str = "np", callback: Optional[StepCallback] = None):
+        """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
+
+        ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
+        ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
+        """
+        self._require_loaded()
+        if not self.is_refiner:
+            raise ValueError("Refine needs the refiner DiT: load the MoE package with transformer='refiner'.")
+        video = frames if isinstance(frames, torch.Tensor) else torch.as_tensor(np.asarray(frames))
+        if video.ndim != 4 or video.shape[-1] != 3:
+            raise ValueError(f"frames must be (T, H, W, 3); got shape {tuple(video.shape)}.")
+        if video.shape[0] < 5:
+            raise ValueError(f"Refine needs a video of at least 5 frames; got {video.shape[0]} (the refiner is not trained on images).")
+        if not torch.isfinite(video.float()).all():
+            raise ValueError("frames contain NaN or infinite values.")
+        check_video_size(1, height, width)
+        steps, seed = _check_steps(steps), _check_seed(seed)
+        sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
+        base_h, base_w = int(video.shape[1]), int(video.shape[2])
+
+        _check_output_type(output_type)
+        indices = refiner_frame_indices(video.shape[0], fps, max_frames)
+        lowres = resize_frames(video[indices].float().clamp(0, 1), height, width)
+        tiling = dict(tiling=vae_tiling, tile_size=tile_size, tile_stride=tile_stride)
+        # RNG order (fresh generator): video posterior, TI2V first-frame posterior, then the noise.
+        generator = torch.Generator("cpu").manual_seed(seed)
+        z = self.encode_video(lowres, **tiling).sample(generator)
+        x_up = self.normalizer.to_dit(z).to(z.dtype)  # the video path keeps the latent's dtype
+        cond_latent = None
+        if first_frame is not None:
+            pixels = first_frame_pixels(first_frame, base_h, base_w, height, width)
+            cond_latent = self.normalizer.to_dit(self.encode_video(pixels, **tiling).sample(generator)).float()
+            x_up[:, :, 0:1] = cond_latent.to(x_up.dtype)
+        noise = torch.randn(x_up.shape, generator=generator, dtype=x_up.dtype)
+        latent0 = start_latent(x_up, noise, t_thresh)
+
+        embeds = self.encode_prompt(prompt, negative_prompt, guidance_scale=guidance_scale,
+                                    num_frames=video.shape[0], null_negative=negative_prompt is None)
+        latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        if output_type == "latent":
+            return latents
+        return _output(self.decode(latents), output_type)

@@ -1,0 +1,21 @@
+"""ComfyUI adapters onto lingbot_core: the node classes and their registration."""
+
+from .conditioning import EncodeImageVAE, LoadLingbotPrompt
+from .loader import LoadLingbotPipeline
+from .sampling import GenerateVideo, Refine
+
+NODE_CLASS_MAPPINGS = {
+    "LoadLingbotPipeline": LoadLingbotPipeline,
+    "EncodeImageVAE": EncodeImageVAE,
+    "GenerateVideo": GenerateVideo,
+    "Refine": Refine,
+    "LoadLingbotPrompt": LoadLingbotPrompt,
+}
+
+NODE_DISPLAY_NAME_MAPPINGS = {
+    "LoadLingbotPipeline": "Load LingBot-Video Pipeline",
+    "EncodeImageVAE": "LingBot-Video Encode Image (VAE)",
+    "GenerateVideo": "LingBot-Video Generate",
+    "Refine": "LingBot-Video Refine",
+    "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
+}

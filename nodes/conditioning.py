@@ -1,0 +1,103 @@
+"""EncodeImageVAE (TI2V first frame) and LoadLingbotPrompt (a rewriter prompt.json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import folder_paths
+
+from ..lingbot_core import frames_for_duration, serialize_caption
+
+logger = logging.getLogger("lingbot_video_nodes")
+
+
+class EncodeImageVAE:
+    DESCRIPTION = (
+        "Prepares the first frame for image-to-video: scales the image to cover width x height, centre-crops "
+        "it and encodes it with the pipeline's VAE. The result stays on the CPU and can be reused by any "
+        "number of GenerateVideo nodes; it is safe to run before or after any other branch."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "encode"
+    RETURN_TYPES = ("LINGBOT_IMAGE_COND",)
+    RETURN_NAMES = ("image_condition",)
+    OUTPUT_TOOLTIPS = ("First-frame condition (VAE posterior + the pixels the text encoder sees); connect to GenerateVideo.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipe": ("LINGBOT_PIPE", {"tooltip": "The base pipeline from LoadLingbotPipeline."}),
+                "image": ("IMAGE", {"tooltip": "The first frame. For a batch, the first image is used."}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip": "Video width in pixels (multiple of 16); must match GenerateVideo."}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip": "Video height in pixels (multiple of 16); must match GenerateVideo."}),
+            }
+        }
+
+    def encode(self, pipe, image, width, height):
+        if image.ndim != 4 or image.shape[0] < 1:
+            raise ValueError(f"image must be an IMAGE batch (B, H, W, C); got shape {tuple(image.shape)}.")
+        if image.shape[0] > 1:
+            logger.warning("EncodeImageVAE: got %d images; using the first as the first frame.", image.shape[0])
+        return (pipe.encode_image(image[0], height, width),)
+
+
+def _prompt_files():
+    root = folder_paths.get_input_directory()
+    out = []
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            if f.lower().endswith(".json"):
+                out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)
+
+
+class LoadLingbotPrompt:
+    DESCRIPTION = (
+        "Loads a structured caption saved by the LingBot-Video prompt rewriter (prompt.json: "
+        "{\"caption\": {...}, \"duration\": seconds}) from ComfyUI's input folder. The DiT is trained on these "
+        "JSON captions; plain prose works but is out of distribution."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "load"
+    RETURN_TYPES = ("STRING", "INT", "FLOAT")
+    RETURN_NAMES = ("prompt", "num_frames", "duration")
+    OUTPUT_TOOLTIPS = (
+        "The caption as compact JSON, ready for GenerateVideo's prompt.",
+        "Frames for the caption's duration at fps (4n+1); 0 when the file has no duration.",
+        "The caption's duration in seconds (0 when absent).",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "prompt_file": (_prompt_files() or ["(no .json file in input/)"], {"tooltip": "A prompt.json in ComfyUI's input folder."}),
+                "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate used to turn the duration into a frame count."}),
+            }
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, prompt_file, fps):
+        path = cls._path(prompt_file)
+        return os.path.getmtime(path) if os.path.isfile(path) else float("nan")
+
+    @staticmethod
+    def _path(prompt_file):
+        if prompt_file not in _prompt_files():
+            raise ValueError(f"prompt_file {prompt_file!r} is not a .json file in ComfyUI's input folder.")
+        return os.path.join(folder_paths.get_input_directory(), prompt_file)
+
+    def load(self, prompt_file, fps):
+        path = self._path(prompt_file)
+        try:
+            with open(path, "r", encoding="utf-8") as f:
+                data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{prompt_file} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
+        first = data[0] if isinstance(data, list) and data else data
+        duration = first.get("duration") if isinstance(first, dict) else None
+        num_frames = frames_for_duration(float(duration), fps) if duration is not None else 0
+        return (serialize_caption(data), num_frames, float(duration or 0.0))

@@ -1,0 +1,128 @@
+"""LoadLingbotPipeline: a model package -> LINGBOT_PIPE, with a bounded cache of loaded pipelines."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+
+import comfy.model_management
+
+from ..lingbot_core import OFFLOAD_MODES, load_pipeline
+from .model_folders import list_packages, resolve_package
+from .progress import free_comfy_models
+
+logger = logging.getLogger("lingbot_video_nodes")
+
+PRECISIONS = ["auto", "bf16", "fp16", "fp32"]
+VAE_PRECISIONS = ["fp32", "bf16", "fp16"]
+
+
+class PipelineCache:
+    """Loaded pipelines by (folder, transformer, precisions): at most ``capacity`` live at once.
+
+    The offload mode is not part of the key: changing it switches the hooks on the loaded weights
+    instead of loading a second copy. The least recently used pipeline is released (hooks removed,
+    weights freed) before a new one is loaded past capacity. Capacity 2 fits the TI2V + Refine graph
+    (base and refiner pipelines), which cannot share hooked modules.
+    """
+
+    def __init__(self, capacity: int = 2):
+        self.capacity = capacity
+        self._items: "OrderedDict[tuple, object]" = OrderedDict()
+        self._generation = 0
+        self._tokens = {}
+
+    def get(self, key):
+        pipe = self._items.get(key)
+        if pipe is not None:
+            self._items.move_to_end(key)
+        return pipe
+
+    def put(self, key, pipe) -> None:
+        self._generation += 1
+        self._items[key] = pipe
+        self._tokens[key] = self._generation
+
+    def make_room(self) -> None:
+        while len(self._items) >= self.capacity:
+            key, old = self._items.popitem(last=False)
+            self._tokens.pop(key, None)
+            logger.info("LingBot-Video: releasing %s to make room for another pipeline.", key[0])
+            old.release()
+
+    def token(self, key):
+        """Stable while the pipeline for ``key`` stays loaded; NaN (always 'changed') otherwise."""
+        return self._tokens.get(key, float("nan"))
+
+
+PIPELINES = PipelineCache()
+
+
+def _key(model, transformer, dit_precision, text_encoder_precision, vae_precision):
+    return (resolve_package(model), transformer, dit_precision, text_encoder_precision, vae_precision)
+
+
+class LoadLingbotPipeline:
+    DESCRIPTION = (
+        "Loads a LingBot-Video model package (dense 1.3B or MoE 30B-A3B) from models/diffusers or "
+        "models/lingbot_video. Offload trades speed for VRAM: 'model' keeps one component on the GPU at "
+        "a time, 'sequential' streams weights layer by layer (lowest VRAM, slowest)."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "load"
+    RETURN_TYPES = ("LINGBOT_PIPE",)
+    RETURN_NAMES = ("pipe",)
+    OUTPUT_TOOLTIPS = ("The loaded pipeline; feed it to EncodeImageVAE, GenerateVideo or Refine.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        packages = list(list_packages()) or ["(no LingBot-Video package found)"]
+        return {
+            "required": {
+                "model": (packages, {"tooltip": "A folder with model_index.json under models/diffusers or models/lingbot_video."}),
+                "transformer": (["transformer", "refiner"], {"default": "transformer",
+                                "tooltip": "'transformer' generates; 'refiner' (MoE package only) loads the refiner DiT for the Refine node."}),
+                "offload": (list(OFFLOAD_MODES), {"default": "model",
+                            "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest)."}),
+                "dit_precision": (PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp32 islands (norms, modulation, router) always stay fp32."}),
+                "text_encoder_precision": (PRECISIONS, {"default": "auto", "tooltip": "Qwen3-VL text encoder dtype. auto = bf16 on GPU, fp32 on CPU."}),
+                "vae_precision": (VAE_PRECISIONS, {"default": "fp32", "tooltip": "Wan VAE dtype; fp32 is the reference setting."}),
+            }
+        }
+
+    @classmethod
+    def IS_CHANGED(cls, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision):
+        # Re-run when the cached pipeline for these settings was released (e.g. evicted for another model).
+        try:
+            key = _key(model, transformer, dit_precision, text_encoder_precision, vae_precision)
+        except ValueError:
+            return float("nan")
+        return f"{PIPELINES.token(key)}:{offload}"
+
+    def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision):
+        if offload not in OFFLOAD_MODES:  # 0.3.75 does not validate every combo itself
+            raise ValueError(f"offload={offload!r} is not valid; choose one of {', '.join(OFFLOAD_MODES)}.")
+        for name, value, allowed in (("dit_precision", dit_precision, PRECISIONS),
+                                     ("text_encoder_precision", text_encoder_precision, PRECISIONS),
+                                     ("vae_precision", vae_precision, VAE_PRECISIONS),
+                                     ("transformer", transformer, ["transformer", "refiner"])):
+            if value not in allowed:
+                raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(allowed)}.")
+        key = _key(model, transformer, dit_precision, text_encoder_precision, vae_precision)
+        device = comfy.model_management.get_torch_device()
+        pipe = PIPELINES.get(key)
+        if pipe is not None:
+            if pipe.offload != offload:
+                free_comfy_models()
+                pipe.set_offload(offload, device)
+            return (pipe,)
+        PIPELINES.make_room()
+        free_comfy_models()
+        dtypes = {"vae": vae_precision}
+        if dit_precision != "auto":
+            dtypes["transformer"] = dit_precision
+        if text_encoder_precision != "auto":
+            dtypes["text_encoder"] = text_encoder_precision
+        pipe = load_pipeline(key[0], transformer_subfolder=transformer, offload=offload, device=device, dtypes=dtypes)
+        PIPELINES.put(key, pipe)
+        return (pipe,)

@@ -1,0 +1,60 @@
+"""Which model packages the loader offers, and resolving a chosen name back to a folder.
+
+A package is a directory with a ``model_index.json`` under ComfyUI's ``models/diffusers/`` or the
+pack's own ``models/lingbot_video/`` (both extendable through ``extra_model_paths.yaml``). Only names
+from this listing are ever loaded, so a workflow cannot point the loader at an arbitrary path.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, List
+
+import folder_paths
+
+FOLDER_KEY = "lingbot_video"
+MAX_DEPTH = 3  # how deep below a models folder a package may sit (e.g. "org/name")
+
+folder_paths.add_model_folder_path(FOLDER_KEY, os.path.join(folder_paths.models_dir, FOLDER_KEY))
+
+
+def _roots() -> List[str]:
+    roots = []
+    for key in ("diffusers", FOLDER_KEY):
+        try:
+            roots += folder_paths.get_folder_paths(key)
+        except KeyError:
+            pass
+    return roots
+
+
+def list_packages() -> Dict[str, str]:
+    """``{display name: absolute folder}`` for every package found, first root wins on a name clash."""
+    found: Dict[str, str] = {}
+    for root in _roots():
+        if not os.path.isdir(root):
+            continue
+        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+            rel = os.path.relpath(dirpath, root)
+            depth = 0 if rel == "." else rel.count(os.sep) + 1
+            if "model_index.json" in filenames and depth > 0:
+                found.setdefault(rel.replace(os.sep, "/"), dirpath)
+                dirnames[:] = []  # a package's subfolders are components, not packages
+            elif depth >= MAX_DEPTH:
+                dirnames[:] = []
+            else:
+                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+    return dict(sorted(found.items()))
+
+
+def resolve_package(name: str) -> str:
+    """The folder of a listed package; anything else (paths, '..', unknown names) is refused."""
+    packages = list_packages()
+    if name not in packages:
+        listed = ", ".join(packages) or "none found"
+        raise ValueError(
+            f"model {name!r} is not one of the LingBot-Video packages found in models/diffusers or "
+            f"models/{FOLDER_KEY} ({listed}). Put the package folder (with model_index.json) there and "
+            "refresh the browser; paths typed into the workflow are not accepted."
+        )
+    return packages[name]

@@ -1,0 +1,32 @@
+"""ComfyUI progress bar, cancel point and live preview for the core's per-step callback."""
+
+from __future__ import annotations
+
+import comfy.model_management
+import comfy.utils
+import latent_preview
+from comfy import latent_formats
+
+
+def step_callback(total: int, node_id=None):
+    """A ``callback(i, total, x0)`` for ``lingbot_core``: advances the node's progress bar (which is
+    also ComfyUI's cancel point) and sends a latent2rgb / TAE preview when previews are on."""
+    bar = comfy.utils.ProgressBar(total, node_id=node_id)
+    previewer = latent_preview.get_previewer(comfy.model_management.get_torch_device(), latent_formats.Wan21())
+
+    def callback(step: int, steps: int, x0):
+        comfy.model_management.throw_exception_if_processing_interrupted()
+        preview = None
+        if previewer is not None:
+            # Previewers show latent frame 0, which in TI2V is the pinned input image: show the middle frame.
+            mid = x0.shape[2] // 2
+            preview = previewer.decode_latent_to_preview_image("JPEG", x0[:, :, mid : mid + 1].float())
+        bar.update_absolute(step + 1, steps, preview)
+
+    return callback
+
+
+def free_comfy_models() -> None:
+    """Let ComfyUI unload its own models before we put weights on the GPU (it cannot evict ours)."""
+    comfy.model_management.unload_all_models()
+    comfy.model_management.soft_empty_cache()

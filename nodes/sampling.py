@@ -1,0 +1,118 @@
+"""GenerateVideo (T2V / T2I / TI2V) and Refine (the MoE refiner pass)."""
+
+from __future__ import annotations
+
+from ..lingbot_core import frames_for_duration, parse_prompt
+from ..lingbot_core.scheduling import refiner_sigmas
+from .progress import free_comfy_models, step_callback
+
+SEED_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+def _latent_output(pipe, latents):
+    # ComfyUI's LATENT convention for Wan-style video: raw VAE space, on the CPU.
+    return {"samples": pipe.normalizer.to_vae(latents).cpu()}
+
+
+class GenerateVideo:
+    DESCRIPTION = (
+        "Text-to-video, text-to-image (num_frames 1) and image-to-video (connect image_condition) with "
+        "LingBot-Video. Changing only the seed re-uses the encoded prompt."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "generate"
+    RETURN_TYPES = ("IMAGE", "LATENT")
+    RETURN_NAMES = ("frames", "latent")
+    OUTPUT_TOOLTIPS = (
+        "The frames (T, H, W, 3) as an IMAGE batch; connect to CreateVideo / SaveVideo or Refine.",
+        "The final latent in Wan 2.1 VAE space (for ComfyUI's VAE Decode with the Wan 2.1 VAE).",
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipe": ("LINGBOT_PIPE", {"tooltip": "The base pipeline (transformer='transformer')."}),
+                "prompt": ("STRING", {"multiline": True, "default": "",
+                           "tooltip": "A structured JSON caption (recommended; the model is trained on them, e.g. from LoadLingbotPrompt) or plain text. Text starting with '{' must be valid JSON."}),
+                "negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                    "tooltip": "Empty = the model's default negative (video or image). JSON text is used as a compact JSON caption."}),
+                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip": "Width in pixels, a multiple of 16 (480p 16:9 = 832)."}),
+                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip": "Height in pixels, a multiple of 16."}),
+                "num_frames": ("INT", {"default": 121, "min": 1, "max": 1001, "step": 4,
+                               "tooltip": "1 (an image) or 4n+1 frames; 121 = 5 s at 24 fps. A caption's duration overrides it when use_caption_duration is on."}),
+                "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Sampling steps (UniPC); 40 is the reference setting."}),
+                "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance; 3.0 is the reference setting, <= 1 disables it (twice as fast)."}),
+                "shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 20.0, "step": 0.1, "tooltip": "Sigma shift of the flow schedule; 3.0 is the reference setting."}),
+                "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Same seed, same video, in every offload mode and on any device."}),
+            },
+            "optional": {
+                "image_condition": ("LINGBOT_IMAGE_COND", {"tooltip": "First frame from EncodeImageVAE (image-to-video). Its size must match width x height."}),
+                "use_caption_duration": ("BOOLEAN", {"default": True, "tooltip": "When the prompt is a JSON caption with a duration, derive num_frames from it (as the reference runner)."}),
+                "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate used with a caption's duration."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
+                 image_condition=None, use_caption_duration=True, fps=24, unique_id=None):
+        parsed = parse_prompt(prompt)
+        if use_caption_duration and parsed.duration is not None:
+            num_frames = frames_for_duration(parsed.duration, fps)
+        free_comfy_models()
+        latents = pipe.generate(
+            prompt, negative_prompt=negative_prompt or None, condition=image_condition, height=height, width=width,
+            num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
+            output_type="latent", callback=step_callback(steps, unique_id),
+        )
+        return (pipe.decode(latents), _latent_output(pipe, latents))
+
+
+class Refine:
+    DESCRIPTION = (
+        "The LingBot-Video refiner: re-noises the base video to t_thresh at the refiner resolution and "
+        "denoises it with the refiner DiT (MoE package, LoadLingbotPipeline transformer='refiner')."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "refine"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("frames",)
+    OUTPUT_TOOLTIPS = ("The refined frames (T, H, W, 3) at the refiner size.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipe": ("LINGBOT_PIPE", {"tooltip": "The refiner pipeline (LoadLingbotPipeline with transformer='refiner')."}),
+                "frames": ("IMAGE", {"tooltip": "The base video frames (at least 5), e.g. GenerateVideo's frames."}),
+                "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The same caption as the base run (text only; no image tokens)."}),
+                "negative_prompt": ("STRING", {"multiline": True, "default": "",
+                                    "tooltip": "Empty = the refiner's default zeroed negative. Text here is encoded instead."}),
+                "width": ("INT", {"default": 1920, "min": 16, "max": 4096, "step": 16, "tooltip": "Refiner output width (multiple of 16)."}),
+                "height": ("INT", {"default": 1088, "min": 16, "max": 4096, "step": 16, "tooltip": "Refiner output height (multiple of 16)."}),
+                "steps": ("INT", {"default": 8, "min": 1, "max": 200, "tooltip": "Steps of the full grid before it is cut at t_thresh (8 -> 6 + tail steps)."}),
+                "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance (3.0 reference)."}),
+                "shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 20.0, "step": 0.1, "tooltip": "Sigma shift (3.0 reference)."}),
+                "t_thresh": ("FLOAT", {"default": 0.85, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip": "Noise level the refinement starts from (0.85 reference); lower keeps more of the base video."}),
+                "tail_steps": ("INT", {"default": 2, "min": 0, "max": 20, "tooltip": "Extra low-noise steps appended after the grid (2 reference)."}),
+                "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Seed of the refiner's own generator."}),
+                "vae_tiling": ("BOOLEAN", {"default": True, "tooltip": "Tiled VAE encode (384x640 tiles, 288x480 stride); keeps 1080p encodes within VRAM."}),
+            },
+            "optional": {
+                "first_frame": ("IMAGE", {"tooltip": "Image-to-video only: the original input image, re-pinned as the clean first frame."}),
+                "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate of the base video; faster videos are resampled to 24 fps."}),
+            },
+            "hidden": {"unique_id": "UNIQUE_ID"},
+        }
+
+    def refine(self, pipe, frames, prompt, negative_prompt, width, height, steps, guidance_scale, shift, t_thresh,
+               tail_steps, seed, vae_tiling, first_frame=None, fps=24, unique_id=None):
+        free_comfy_models()
+        total = len(refiner_sigmas(steps, shift, t_thresh, tail_steps))
+        out = pipe.refine(
+            frames, prompt, negative_prompt=negative_prompt or None,
+            first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
+            guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
+            fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(total, unique_id),
+        )
+        return (out,)
