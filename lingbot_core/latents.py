@@ -98,7 +98,7 @@ def image_to_uint8(image) -> torch.Tensor:
     came from uint8, as a ComfyUI IMAGE does. Grayscale is repeated to RGB; alpha is dropped.
     """
     if hasattr(image, "convert") and hasattr(image, "size"):  # PIL
-        image = np.asarray(image.convert("RGB"))
+        image = np.array(image.convert("RGB"))
     t = torch.as_tensor(np.asarray(image) if not isinstance(image, torch.Tensor) else image)
     if t.ndim == 2:
         t = t[..., None]

@@ -1,0 +1,126 @@
+"""Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+# (H, W) per resolution and H:W ratio, as the reference runner's buckets.
+BUCKETS = {
+    "192p": {"1:1": (192, 192), "9:16": (192, 320), "16:9": (320, 192), "3:4": (192, 256), "4:3": (256, 192)},
+    "480p": {"1:1": (480, 480), "9:16": (480, 832), "16:9": (832, 480), "3:4": (480, 640), "4:3": (640, 480)},
+    "720p": {"1:1": (736, 736), "9:16": (736, 1280), "16:9": (1280, 736), "3:4": (736, 960), "4:3": (960, 736)},
+    "1080p": {"1:1": (1088, 1088), "9:16": (1088, 1920), "16:9": (1920, 1088), "3:4": (1088, 1440), "4:3": (1440, 1088)},
+    "2k": {"1:1": (1440, 1440), "9:16": (1440, 2560), "16:9": (2560, 1440), "3:4": (1440, 1920), "4:3": (1920, 1440)},
+    "4k": {"1:1": (2176, 2176), "9:16": (2176, 3840), "16:9": (3840, 2176), "3:4": (2176, 2880), "4:3": (2880, 2176)},
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="text/image to video (or image), optionally refined")
+    g.add_argument("--model_dir", required=True, help="package root (with model_index.json)")
+    g.add_argument("--mode", choices=["t2i", "t2v", "ti2v"], default="t2v")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text (a JSON caption string or plain text)")
+    src.add_argument("--prompt_json", help="a rewriter prompt.json ({'caption': ..., 'duration': s})")
+    g.add_argument("--negative_prompt", default=None, help="negative text (default: the mode's default negative)")
+    g.add_argument("--negative_prompt_json", default=None, help="a negative prompt JSON file (serialised compactly)")
+    g.add_argument("--image", help="first frame for ti2v")
+    g.add_argument("--resolution", choices=sorted(BUCKETS), help="size bucket (with --ratio)")
+    g.add_argument("--ratio", default="9:16", choices=["1:1", "9:16", "16:9", "3:4", "4:3"], help="H:W ratio of the bucket")
+    g.add_argument("--height", type=int, default=None)
+    g.add_argument("--width", type=int, default=None)
+    g.add_argument("--num_frames", type=int, default=9, help="4n+1 (a JSON duration overrides it)")
+    g.add_argument("--steps", type=int, default=40)
+    g.add_argument("--guidance_scale", type=float, default=3.0)
+    g.add_argument("--shift", type=float, default=3.0)
+    g.add_argument("--seed", type=int, default=42)
+    g.add_argument("--fps", type=int, default=24)
+    g.add_argument("--output", default="output.mp4", help="mp4 path (png for t2i)")
+    g.add_argument("--offload", choices=["none", "model", "sequential"], default="none")
+    g.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: best available)")
+    g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")
+    g.add_argument("--refiner_output", default=None, help="mp4 path of the refined video")
+    g.add_argument("--refiner_height", type=int, default=1088)
+    g.add_argument("--refiner_width", type=int, default=1920)
+    g.add_argument("--refiner_steps", type=int, default=8)
+    g.add_argument("--refiner_t_thresh", type=float, default=0.85)
+    g.add_argument("--refiner_sigma_tail_steps", type=int, default=2)
+    g.add_argument("--refiner_max_video_frames", type=int, default=None)
+    return parser
+
+
+def _progress(desc: str):
+    from tqdm.auto import tqdm
+
+    bar = {}
+
+    def callback(step, total, _x0):
+        if "b" not in bar:
+            bar["b"] = tqdm(total=total, desc=desc, unit="step")
+        bar["b"].update(1)
+        if step + 1 == total:
+            bar.pop("b").close()
+
+    return callback
+
+
+def generate(args) -> int:
+    from PIL import Image
+
+    from . import frames_for_duration, load_pipeline, parse_prompt, serialize_caption
+    from .text_conditioning import compact_json
+    from .video_io import write_png, write_video
+
+    if args.prompt_json:
+        data = json.loads(Path(args.prompt_json).read_text(encoding="utf-8"))
+        prompt = serialize_caption(data)
+        first = data[0] if isinstance(data, list) and data else data
+        duration = first.get("duration") if isinstance(first, dict) else None
+    else:
+        prompt, duration = args.prompt, parse_prompt(args.prompt).duration
+    negative = args.negative_prompt
+    if args.negative_prompt_json:
+        negative = compact_json(json.loads(Path(args.negative_prompt_json).read_text(encoding="utf-8")))
+    height, width = (192, 320) if args.resolution is None else BUCKETS[args.resolution][args.ratio]
+    height, width = args.height or height, args.width or width
+    num_frames = 1 if args.mode == "t2i" else (frames_for_duration(duration, args.fps) if duration is not None else args.num_frames)
+    if args.mode == "ti2v" and not args.image:
+        raise SystemExit("--mode ti2v needs --image")
+    image = Image.open(args.image).convert("RGB") if args.mode == "ti2v" else None
+
+    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device)
+    frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
+                           num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
+                           shift=args.shift, seed=args.seed, callback=_progress("generate"))
+    if num_frames == 1:
+        out = write_png(frames[0], Path(args.output).with_suffix(".png"))
+    else:
+        out = write_video(frames, args.output, fps=args.fps)
+    print(out)
+    if args.run_refiner and num_frames > 1:
+        pipe.release()  # the refiner pipeline needs its own components; free the base first
+        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device)
+        refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
+                                 steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
+                                 t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,
+                                 seed=args.seed, fps=args.fps, max_frames=args.refiner_max_video_frames,
+                                 callback=_progress("refine"))
+        path = args.refiner_output or str(Path(args.output).with_name(Path(args.output).stem + "_refined.mp4"))
+        print(write_video(refined, path, fps=24))
+    return 0
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return generate(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny model packages written once per session, fresh pipelines per test."""
+
+import os
+import sys
+from pathlib import Path
+
+# Offline by construction, before transformers/diffusers are imported anywhere.
+for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
+                   ("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error")):
+    os.environ.setdefault(key, value)
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(2)
+
+TINY = dict(height=64, width=96, num_frames=5, steps=3)
+
+
+@pytest.fixture(scope="session")
+def packages(tmp_path_factory):
+    """Tiny packages: fp32 dense, fp32 MoE (+ refiner), release-like bf16 dense, sharded MoE."""
+    from lingbot_core.fixtures import write_package
+
+    root = tmp_path_factory.mktemp("packages")
+    return {
+        "dense": write_package(root / "lingbot-tiny-dense", fp32=True),
+        "moe": write_package(root / "lingbot-tiny-moe", moe=True, fp32=True, seed=1),
+        "dense_bf16": write_package(root / "lingbot-tiny-dense-bf16", seed=2),
+        "moe_sharded": write_package(root / "lingbot-tiny-moe-sharded", moe=True, fp32=True, sharded=True, seed=1),
+    }
+
+
+@pytest.fixture(scope="session")
+def broken_packages(tmp_path_factory):
+    from lingbot_core.fixtures import write_broken_packages
+
+    return write_broken_packages(tmp_path_factory.mktemp("broken"))
+
+
+@pytest.fixture
+def dense_pipe(packages):
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture
+def moe_pipe(packages):
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["moe"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture
+def refiner_pipe(packages):
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["moe"], transformer_subfolder="refiner", device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture(scope="session")
+def test_image():
+    """A deterministic 70x100 RGB float image in [0, 1] (not a multiple of anything, to exercise the crop)."""
+    g = torch.Generator().manual_seed(123)
+    return torch.rand(70, 100, 3, generator=g)
