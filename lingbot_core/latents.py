@@ -184,7 +184,7 @@ def vae_encode(vae, pixels: torch.Tensor, device: torch.device) -> Posterior:
     On CUDA the encode runs under bf16 autocast although the VAE is fp32, as the reference does.
     """
     x = (pixels.to(device=device, dtype=torch.float32) - 0.5) / 0.5
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and torch.cuda.is_available()):
         moments = vae.encode(x).latent_dist.parameters
     return Posterior(moments.detach().to("cpu"))
 

@@ -1,0 +1,134 @@
+"""A residency tracker: what *would* be on the accelerator, proven on a CPU-only machine.
+
+On CPU, parameter devices are always ``cpu`` and outputs are identical in every offload mode, so
+neither can show an offload bug. The tracker instead instruments accelerate's own hook entry points
+(test-only patching) and replays accelerate's rules:
+
+- ``CpuOffload.pre_forward``: evicts the predecessor if it is resident, then onloads its module;
+- ``CpuOffload.init_hook``: the module goes to the CPU (hook attachment, ``offload()``, every reset);
+- ``AlignDevicesHook.pre_forward``/``post_forward`` (sequential): a module's own tensors are loaded
+  for the duration of its forward.
+
+Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
+computes, which also sees calls that bypass a top-level hook.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from contextlib import ExitStack
+from unittest import mock
+
+from accelerate.hooks import AlignDevicesHook, CpuOffload
+
+
+def _nbytes(module, recurse):
+    return sum(t.numel() * t.element_size() for t in module.parameters(recurse=recurse))
+
+
+class ResidencyTracker:
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.components = dict(pipe.offloader.components)
+        self.by_id = {id(m): name for name, m in self.components.items()}
+        self.owner = {}
+        for name, module in self.components.items():
+            for sub in module.modules():
+                self.owner.setdefault(id(sub), name)
+        self.resident = set()  # model offload: whole components
+        self.streamed = defaultdict(int)  # sequential: bytes per component currently materialised
+        self.events = []
+        self.snapshots = []  # (probe, frozenset of resident components)
+        self.peak_bytes = 0
+        self.pre_forward_calls = defaultdict(int)
+        self._stack = ExitStack()
+        self._component_bytes = {name: _nbytes(m, True) for name, m in self.components.items()}
+
+    # -- accounting --------------------------------------------------------------------------
+
+    def resident_bytes(self) -> int:
+        if self.pipe.offload == "none":
+            return sum(self._component_bytes.values())
+        return sum(self._component_bytes[n] for n in self.resident) + sum(self.streamed.values())
+
+    def _update_peak(self):
+        self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
+
+    def current(self) -> frozenset:
+        if self.pipe.offload == "none":
+            return frozenset(self.components)
+        return frozenset(self.resident | {n for n, b in self.streamed.items() if b > 0})
+
+    # -- instrumentation ---------------------------------------------------------------------
+
+    def __enter__(self):
+        tracker = self
+        orig_pre, orig_init = CpuOffload.pre_forward, CpuOffload.init_hook
+        orig_align_pre, orig_align_post = AlignDevicesHook.pre_forward, AlignDevicesHook.post_forward
+
+        def pre_forward(hook, module, *args, **kwargs):
+            name = tracker.by_id.get(id(module))
+            prev = hook.prev_module_hook
+            prev_name = tracker.by_id.get(id(prev.model)) if prev is not None else None
+            if prev_name in tracker.resident:
+                tracker.resident.discard(prev_name)
+                tracker.events.append(("offload_prev", prev_name))
+            if name is not None:
+                tracker.resident.add(name)
+                tracker.pre_forward_calls[name] += 1
+                tracker.events.append(("onload", name))
+            tracker._update_peak()
+            return orig_pre(hook, module, *args, **kwargs)
+
+        def init_hook(hook, module):
+            name = tracker.by_id.get(id(module))
+            if name is not None:
+                tracker.resident.discard(name)
+                tracker.events.append(("offload", name))
+            return orig_init(hook, module)
+
+        def align_pre(hook, module, *args, **kwargs):
+            if hook.offload:
+                name = tracker.owner.get(id(module))
+                if name is not None:
+                    tracker.streamed[name] += _nbytes(module, hook.place_submodules)
+                    tracker._update_peak()
+            return orig_align_pre(hook, module, *args, **kwargs)
+
+        def align_post(hook, module, output):
+            if hook.offload:
+                name = tracker.owner.get(id(module))
+                if name is not None and any(p.device.type != "meta" for p in module.parameters(recurse=hook.place_submodules)):
+                    tracker.streamed[name] -= _nbytes(module, hook.place_submodules)
+            return orig_align_post(hook, module, output)
+
+        self._stack.enter_context(mock.patch.object(CpuOffload, "pre_forward", pre_forward))
+        self._stack.enter_context(mock.patch.object(CpuOffload, "init_hook", init_hook))
+        self._stack.enter_context(mock.patch.object(AlignDevicesHook, "pre_forward", align_pre))
+        self._stack.enter_context(mock.patch.object(AlignDevicesHook, "post_forward", align_post))
+        probes = {
+            "TE": self.pipe.text_encoder.model.language_model.embed_tokens,
+            "VAE.enc": self.pipe.vae.encoder,
+            "VAE.dec": self.pipe.vae.decoder,
+            "DiT": self.pipe.transformer.patch_embedder,
+        }
+        for probe, module in probes.items():
+            handle = module.register_forward_pre_hook(lambda m, a, probe=probe: self._snap(probe))
+            self._stack.callback(handle.remove)
+        return self
+
+    def _snap(self, probe):
+        self.snapshots.append((probe, self.current()))
+
+    def __exit__(self, *exc):
+        self._stack.close()
+        return False
+
+    # -- queries -----------------------------------------------------------------------------
+
+    def seen(self, probe):
+        return [s for p, s in self.snapshots if p == probe]
+
+    def clear(self):
+        self.snapshots.clear()
+        self.events.clear()
