@@ -21,6 +21,9 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 TEMPORAL_COMPRESSION = 4
 SPATIAL_COMPRESSION = 8
 SIZE_MULTIPLE = 16  # latent must be divisible by the DiT's 2x2 patch
+# Scale-to-cover of an extreme aspect ratio can ask for a gigantic intermediate image (a 10000x10
+# image covering 832x480 would be 832000x832); refuse instead of allocating gigabytes.
+MAX_COVER_PIXELS = 8192 * 8192
 # The refiner's VAE tiling (25 % overlap); diffusers' own Wan defaults are smaller.
 REFINER_TILE = (384, 640)
 REFINER_TILE_STRIDE = (288, 480)
@@ -127,6 +130,11 @@ def preprocess_first_frame(image, height: int, width: int) -> torch.Tensor:
     h0, w0 = img.shape[:2]
     scale = max(height / h0, width / w0)
     new_h, new_w = max(math.ceil(h0 * scale), height), max(math.ceil(w0 * scale), width)
+    if new_h * new_w > MAX_COVER_PIXELS:
+        raise ValueError(
+            f"image of {w0}x{h0} pixels would have to be scaled to {new_w}x{new_h} to cover the {width}x{height} "
+            "video; crop it closer to the video's aspect ratio first."
+        )
     # torch's uint8 kernel (fixed-point) rounds differently from float + round; use it as the reference does.
     x = F.interpolate(img.permute(2, 0, 1)[None], size=(new_h, new_w), mode="bilinear", align_corners=False)
     top, left = round((new_h - height) / 2), round((new_w - width) / 2)
