@@ -86,6 +86,7 @@ class Offloader:
         self.mode = "none"
         self.device = torch.device("cpu")
         self._chain: List[UserCpuOffloadHook] = []
+        self._failed: Optional[str] = None  # why the last apply() failed; stages refuse to run then
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -96,6 +97,21 @@ class Offloader:
         self.remove_hooks()
         if mode != "none" and device.type == "cpu":
             logger.info("offload=%s on a CPU execution device installs real hooks but saves no memory.", mode)
+        try:
+            self._install(mode, device)
+        except BaseException as e:
+            # e.g. out of memory while moving to the GPU: leave everything on the CPU, unhooked.
+            self.remove_hooks()
+            for module in self.components.values():
+                module.to("cpu")
+            empty_device_cache(device)
+            self._failed = f"offload={mode!r} on {device} failed ({type(e).__name__}: {e})"
+            raise
+        self._failed = None
+        self.mode, self.device = mode, device
+        empty_device_cache(device)
+
+    def _install(self, mode: str, device: torch.device) -> None:
         if mode == "none":
             for module in self.components.values():
                 module.to(device)
@@ -114,8 +130,6 @@ class Offloader:
                     module, device, offload_buffers=len(module._parameters) > 0,
                     preload_module_classes=self.preload.get(name) or None,
                 )
-        self.mode, self.device = mode, device
-        empty_device_cache(device)
 
     def remove_hooks(self) -> None:
         """Detach every hook; sequential weights are restored to their CPU tensors by accelerate."""
@@ -158,6 +172,8 @@ class Offloader:
     @contextmanager
     def stage(self) -> Iterator[None]:
         """Run a stage with nothing resident before it and nothing left after it, even on error."""
+        if self._failed:
+            raise RuntimeError(f"{self._failed}; choose another offload mode (e.g. 'model' or 'sequential').")
         self.reset()
         try:
             yield

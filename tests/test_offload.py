@@ -394,3 +394,28 @@ def test_mode_change_drops_old_hooks(packages):
 def test_unknown_mode_rejected(packages):
     with pytest.raises(ValueError, match="offload='gpu'.*none, model, sequential"):
         load_pipeline(packages["dense"], offload="gpu", device="cpu")
+
+
+def test_failed_placement_leaves_everything_on_cpu_and_is_recoverable(packages):
+    pipe = load_pipeline(packages["dense"], offload="model", device="cpu")
+    try:
+        reference = pipe.generate("a cat", **RUN)
+        real_to, failures = type(pipe.vae).to, []
+
+        def out_of_memory_once(module, *args, **kwargs):  # the move to the device fails, the way back works
+            if not failures:
+                failures.append(1)
+                raise torch.OutOfMemoryError("simulated")
+            return real_to(module, *args, **kwargs)
+
+        with mock.patch.object(type(pipe.vae), "to", out_of_memory_once):
+            with pytest.raises(torch.OutOfMemoryError):
+                pipe.set_offload("none")
+        assert not any(hasattr(m, "_hf_hook") for c in pipe.offloader.components.values() for m in c.modules())
+        assert pipe.offloader.resident() == []
+        with pytest.raises(RuntimeError, match="offload='none'.*failed.*choose another offload mode"):
+            pipe.generate("a cat", **RUN)
+        pipe.set_offload("sequential")
+        np.testing.assert_array_equal(pipe.generate("a cat", **RUN), reference)
+    finally:
+        pipe.release()
