@@ -1,0 +1,426 @@
+#!/usr/bin/env python3
+"""Screenshot an example workflow opened in the ComfyUI web frontend (for the README).
+
+Regenerate the README image (from the repository root, after ``scripts/setup-env``)::
+
+    apt-get install -y chromium        # Debian/Ubuntu; any Chrome/Chromium binary works (--chromium)
+    .venv/bin/python scripts/screenshot_workflow.py
+    # -> docs/images/workflow_ti2v_refine.png
+
+What it does:
+
+1. writes tiny fixture model packages (``lingbot_core.fixtures.write_package``) named
+   ``lingbot-video-moe-30b-a3b`` and ``lingbot-video-dense-1.3b`` so the loaders' ``model``
+   dropdowns hold the names the workflow uses, and copies the workflow's input image;
+2. starts a headless ComfyUI on CPU with this pack linked (``tests/comfy_host.ComfyServer``), and
+   pre-sets a few frontend settings (no first-run templates dialog, no minimap, text drawn at every
+   zoom level);
+3. launches headless Chromium and drives it over the Chrome DevTools protocol (standard library
+   only: no Playwright, no Selenium): opens the app, ``app.loadGraphData(workflow)``, dismisses
+   dialogs and toasts, fits the whole graph into the free part of the canvas, and screenshots it;
+4. renders at ``--supersample`` x the pixel density and downsizes to the viewport size with PIL
+   (crisper small text than a 1x render), then saves an optimized PNG.
+
+Everything runs in a temporary directory that is removed at the end (``--keep-temp`` keeps it,
+with ComfyUI's log).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import io
+import json
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+for _p in (REPO, REPO / "tests"):
+    if str(_p) not in sys.path:
+        sys.path.insert(0, str(_p))
+
+DEFAULT_WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
+DEFAULT_OUT = REPO / "docs" / "images" / "workflow_ti2v_refine.png"
+INPUT_IMAGE = REPO / "example_workflows" / "lingbot_example_input.png"
+MODELS = {"lingbot-video-moe-30b-a3b": True, "lingbot-video-dense-1.3b": False}  # name -> moe
+
+#: Frontend settings written to the server's user settings before the page loads.
+FRONTEND_SETTINGS = {
+    "Comfy.TutorialCompleted": True,          # no "templates" dialog on first start
+    "Comfy.Minimap.Visible": False,           # the minimap would cover part of the graph
+    "LiteGraph.Canvas.MinFontSizeForLOD": 0,  # draw titles/widgets at any zoom (no LOD boxes)
+    "Comfy.Workflow.ShowMissingModelsWarning": False,
+    "Comfy.Workflow.ShowMissingNodesWarning": False,
+    "Comfy.Graph.CanvasInfo": False,          # no "T: / I: / N: / FPS" overlay
+}
+
+#: Run in the page before the app's scripts: dismiss the "Introducing Nodes 2.0" banner (kept in
+#: localStorage by the frontend, not in the server-side settings).
+PRELOAD = "try { localStorage.setItem('vueNodesBannerDismissed', 'true'); } catch (e) {}"
+
+CHROMIUM_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
+    "--disable-sync", "--disable-extensions", "--hide-scrollbars", "--mute-audio",
+    "--remote-debugging-port=0", "--remote-allow-origins=*",
+]
+
+
+def find_chromium(explicit: str | None) -> str:
+    if explicit:
+        return explicit
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome"):
+        path = shutil.which(name)
+        if path:
+            return path
+    sys.exit("no Chromium/Chrome found; install one (e.g. apt-get install -y chromium) "
+             "or pass --chromium /path/to/binary")
+
+
+# --------------------------------------------------------------------------------------------
+# A minimal Chrome DevTools protocol client (RFC 6455 websocket, client side, stdlib only)
+# --------------------------------------------------------------------------------------------
+
+class CDP:
+    def __init__(self, ws_url: str, timeout: float = 60.0):
+        url = urllib.parse.urlparse(ws_url)
+        self.sock = socket.create_connection((url.hostname, url.port), timeout=timeout)
+        key = base64.b64encode(os.urandom(16)).decode()
+        self.sock.sendall((
+            f"GET {url.path} HTTP/1.1\r\nHost: {url.hostname}:{url.port}\r\n"
+            "Upgrade: websocket\r\nConnection: Upgrade\r\n"
+            f"Sec-WebSocket-Key: {key}\r\nSec-WebSocket-Version: 13\r\n\r\n").encode())
+        head = b""
+        while b"\r\n\r\n" not in head:
+            chunk = self.sock.recv(4096)
+            if not chunk:
+                raise ConnectionError("DevTools closed the connection during the handshake")
+            head += chunk
+        head, self.buf = head.split(b"\r\n\r\n", 1)
+        if b" 101 " not in head.split(b"\r\n", 1)[0]:
+            raise ConnectionError(f"DevTools handshake failed: {head[:200]!r}")
+        self.next_id = 0
+        self.events: list[dict] = []
+
+    def _recv_exact(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = self.sock.recv(max(65536, n - len(self.buf)))
+            if not chunk:
+                raise ConnectionError("DevTools connection closed")
+            self.buf += chunk
+        out, self.buf = self.buf[:n], self.buf[n:]
+        return out
+
+    def _send_frame(self, opcode: int, payload: bytes) -> None:
+        head = bytes([0x80 | opcode])
+        n = len(payload)
+        if n < 126:
+            head += bytes([0x80 | n])
+        elif n < 65536:
+            head += bytes([0x80 | 126]) + struct.pack("!H", n)
+        else:
+            head += bytes([0x80 | 127]) + struct.pack("!Q", n)
+        mask = os.urandom(4)
+        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+        self.sock.sendall(head + mask + masked)
+
+    def _recv_message(self) -> dict:
+        parts: list[bytes] = []
+        while True:
+            b0, b1 = self._recv_exact(2)
+            opcode, n = b0 & 0x0F, b1 & 0x7F
+            if n == 126:
+                n = struct.unpack("!H", self._recv_exact(2))[0]
+            elif n == 127:
+                n = struct.unpack("!Q", self._recv_exact(8))[0]
+            mask = self._recv_exact(4) if b1 & 0x80 else None
+            data = self._recv_exact(n)
+            if mask:
+                data = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+            if opcode == 0x8:
+                raise ConnectionError("DevTools closed the websocket")
+            if opcode == 0x9:
+                self._send_frame(0xA, data)
+                continue
+            if opcode in (0x0, 0x1, 0x2):
+                parts.append(data)
+                if b0 & 0x80:
+                    return json.loads(b"".join(parts))
+
+    def call(self, method: str, **params):
+        self.next_id += 1
+        msg_id = self.next_id
+        self._send_frame(0x1, json.dumps({"id": msg_id, "method": method,
+                                          "params": params}).encode())
+        while True:
+            msg = self._recv_message()
+            if msg.get("id") == msg_id:
+                if "error" in msg:
+                    raise RuntimeError(f"{method}: {msg['error']}")
+                return msg.get("result", {})
+            self.events.append(msg)
+
+    def evaluate(self, expression: str, await_promise: bool = True):
+        res = self.call("Runtime.evaluate", expression=expression, awaitPromise=await_promise,
+                        returnByValue=True)
+        if "exceptionDetails" in res:
+            details = res["exceptionDetails"]
+            text = details.get("exception", {}).get("description") or details.get("text")
+            raise RuntimeError(f"page script failed: {text}")
+        return res.get("result", {}).get("value")
+
+    def key(self, key: str, code: str, key_code: int) -> None:
+        for kind in ("keyDown", "keyUp"):
+            self.call("Input.dispatchKeyEvent", type=kind, key=key, code=code,
+                      windowsVirtualKeyCode=key_code, nativeVirtualKeyCode=key_code)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def wait_for(cdp: CDP, expression: str, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = cdp.evaluate(expression)
+        except RuntimeError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(0.25)
+
+
+def launch_chromium(binary: str, profile: Path, width: int, height: int):
+    profile.mkdir(parents=True, exist_ok=True)
+    log = open(profile.parent / "chromium.log", "wb")
+    proc = subprocess.Popen(
+        [binary, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--window-size={width},{height}",
+         "about:blank"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    port_file = profile / "DevToolsActivePort"
+    deadline = time.monotonic() + 60
+    while not (port_file.is_file() and port_file.read_text().strip()):
+        if proc.poll() is not None:
+            raise RuntimeError(f"Chromium exited with {proc.returncode}; see {log.name}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise TimeoutError("Chromium did not open its DevTools port")
+        time.sleep(0.1)
+    port = int(port_file.read_text().split()[0])
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as resp:
+        targets = json.load(resp)
+    page = next(t for t in targets if t.get("type") == "page")
+    return proc, log, CDP(page["webSocketDebuggerUrl"])
+
+
+# --------------------------------------------------------------------------------------------
+# Page scripts
+# --------------------------------------------------------------------------------------------
+
+# Load the workflow (saved under the user's workflows/ before the page loaded) as a tab named
+# after the file, then close every other tab (the default "Unsaved Workflow" opened on start).
+LOAD = """(async () => {
+  const app = window.app, store = app.extensionManager.workflow;
+  await store.syncWorkflows();
+  await app.loadGraphData(%(workflow)s, true, true, %(name)s);
+  const active = store.activeWorkflow;
+  for (const w of [...store.openWorkflows]) if (w !== active) await store.closeWorkflow(w);
+  return store.openWorkflows.map(w => ({path: w.path, persisted: w.isPersisted,
+                                         modified: w.isModified}));
+})()"""
+
+APP_READY = """(() => {
+  const app = window.app;
+  return !!(app && app.graph && app.canvas && app.canvas.ds && app.canvas.canvas
+            && document.querySelector('canvas') && app.extensionManager);
+})()"""
+
+DISMISS = """(() => {
+  const sel = ['.p-toast-close-button', '.p-dialog-close-button', '.p-dialog-header-close'];
+  let n = 0;
+  for (const s of sel) for (const el of document.querySelectorAll(s)) { el.click(); n++; }
+  return n;
+})()"""
+
+# Fit the whole graph (node boxes incl. titles, groups) into the part of the canvas that is not
+# covered by the menu bar, side toolbar or the canvas controls, with a margin; returns the layout.
+FIT = """(() => {
+  const app = window.app, c = app.canvas, el = c.canvas;
+  const r = el.getBoundingClientRect();
+  // free area: start under/right of any fixed UI overlapping the canvas edges
+  let top = r.top, left = r.left, right = r.right, bottom = r.bottom;
+  const probe = (x, y) => {
+    const hit = document.elementFromPoint(x, y);
+    return hit && hit !== el && !el.contains(hit) ? hit.getBoundingClientRect() : null;
+  };
+  for (let x = r.left + 10; x < r.right; x += 40) {       // top bar(s)
+    const b = probe(x, r.top + 5); if (b && b.height < r.height / 3) top = Math.max(top, b.bottom);
+  }
+  for (let y = top + 10; y < r.bottom; y += 40) {           // left toolbar
+    const b = probe(r.left + 5, y); if (b && b.width < r.width / 4) left = Math.max(left, b.right);
+  }
+  for (let x = left + 10; x < r.right; x += 40) {          // bottom-right canvas controls
+    const b = probe(x, r.bottom - 12);
+    if (b && b.height < r.height / 4) bottom = Math.min(bottom, b.top);
+  }
+  const margin = %(margin)d;
+  top += margin; left += margin; right -= margin; bottom -= margin;
+  let x0 = Infinity, y0 = Infinity, x1 = -Infinity, y1 = -Infinity;
+  const grow = (b) => { x0 = Math.min(x0, b[0]); y0 = Math.min(y0, b[1]);
+                        x1 = Math.max(x1, b[0] + b[2]); y1 = Math.max(y1, b[1] + b[3]); };
+  for (const n of app.graph._nodes) grow(n.getBounding());
+  for (const g of (app.graph._groups || [])) grow(g._bounding || [g.pos[0], g.pos[1], g.size[0], g.size[1]]);
+  const scale = Math.min((right - left) / (x1 - x0), (bottom - top) / (y1 - y0));
+  const ds = c.ds;
+  ds.scale = scale;
+  // screen = (graph + offset) * scale, relative to the canvas element; centre the box
+  const cx = (left + right) / 2 - r.left, cy = (top + bottom) / 2 - r.top;
+  ds.offset[0] = cx / scale - (x0 + x1) / 2;
+  ds.offset[1] = cy / scale - (y0 + y1) / 2;
+  c.setDirty(true, true);
+  c.draw(true, true);
+  return {scale, box: [x0, y0, x1, y1], free: [left, top, right, bottom],
+          nodes: app.graph._nodes.length};
+})()"""
+
+
+def build_settings_payload(extra: dict | None = None) -> dict:
+    payload = dict(FRONTEND_SETTINGS)
+    payload.update(extra or {})
+    return payload
+
+
+# --------------------------------------------------------------------------------------------
+# Main
+# --------------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workflow", type=Path, default=DEFAULT_WORKFLOW)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--width", type=int, default=1600)
+    ap.add_argument("--height", type=int, default=900)
+    ap.add_argument("--supersample", type=int, default=2,
+                    help="render at this device scale factor, then downsize (default 2; 1 = none)")
+    ap.add_argument("--margin", type=int, default=16, help="CSS px around the fitted graph")
+    ap.add_argument("--chromium", help="Chromium/Chrome binary (default: found on PATH)")
+    ap.add_argument("--colors", type=int, default=0,
+                    help="quantize to this many colours to shrink the PNG (0 = lossless RGB)")
+    ap.add_argument("--keep-temp", action="store_true", help="keep the temp dir (logs, profile)")
+    args = ap.parse_args(argv)
+
+    from PIL import Image  # ComfyUI's dependency: present in the project venv
+
+    from comfy_host import ComfyServer
+    from lingbot_core.fixtures import write_package
+
+    chromium = find_chromium(args.chromium)
+    workflow = json.loads(args.workflow.read_text())
+    tmp = Path(tempfile.mkdtemp(prefix="lingbot-shot-"))
+    server = proc = log = cdp = None
+    try:
+        print(f"[shot] fixture packages in {tmp}", flush=True)
+        models = {name: write_package(tmp / "models" / name, moe=moe, refiner=moe)
+                  for name, moe in MODELS.items()}
+        server = ComfyServer(tmp / "server", models=models, env={"HF_HUB_OFFLINE": "1"},
+                             websocket=False)
+        server.add_input(INPUT_IMAGE, "lingbot_example_input.png")
+        server.start()
+        print(f"[shot] ComfyUI at {server.url} (log {server.log_path})", flush=True)
+        status, _ = server.post("/settings", build_settings_payload())
+        if status != 200:
+            raise RuntimeError(f"POST /settings answered {status}")
+        # Save the workflow as the user's workflows/<stem>.json so the app opens it as a saved
+        # workflow (a tab named after the file, without the "unsaved" dot).
+        saved = urllib.parse.quote(f"workflows/{args.workflow.stem}.json", safe="")
+        status, _ = server.post(f"/userdata/{saved}?overwrite=true", workflow)
+        if status != 200:
+            raise RuntimeError(f"POST /userdata/{saved} answered {status}")
+
+        proc, log, cdp = launch_chromium(chromium, tmp / "chromium-profile",
+                                         args.width, args.height)
+        cdp.call("Emulation.setDeviceMetricsOverride", width=args.width, height=args.height,
+                 deviceScaleFactor=args.supersample, mobile=False)
+        cdp.call("Page.enable")
+        cdp.call("Runtime.enable")
+        cdp.call("Page.addScriptToEvaluateOnNewDocument", source=PRELOAD)
+        cdp.call("Page.navigate", url=server.url + "/")
+        wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
+        time.sleep(1.5)  # let start-up extensions settle (first-run dialogs, etc.)
+        for _ in range(2):
+            cdp.key("Escape", "Escape", 27)
+            cdp.evaluate(DISMISS)
+
+        tabs = cdp.evaluate(LOAD % {"workflow": json.dumps(workflow),
+                                    "name": json.dumps(args.workflow.stem)})
+        print(f"[shot] open workflow tabs: {tabs}", flush=True)
+        n_nodes = wait_for(cdp, "window.app.graph._nodes.length", 30, "the workflow's nodes")
+        print(f"[shot] loaded {args.workflow.name}: {n_nodes} nodes", flush=True)
+        time.sleep(1.0)
+        for _ in range(3):
+            cdp.key("Escape", "Escape", 27)
+            cdp.evaluate(DISMISS)
+            time.sleep(0.3)
+        # nothing selected, no hover state; then fit the graph ourselves
+        cdp.evaluate("(() => { window.app.canvas.deselectAll?.(); return true; })()")
+        layout = cdp.evaluate(FIT % {"margin": args.margin})
+        print(f"[shot] fitted: {layout}", flush=True)
+        time.sleep(1.0)
+        cdp.evaluate(DISMISS)
+        cdp.evaluate(FIT % {"margin": args.margin})  # again, in case UI changed size meanwhile
+        time.sleep(1.0)
+
+        shot = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=False)
+        image = Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")
+        if image.size != (args.width, args.height):
+            image = image.resize((args.width, args.height), Image.LANCZOS)
+        if args.colors:
+            image = image.quantize(colors=args.colors, method=Image.MEDIANCUT, dither=Image.NONE)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        image.save(args.out, optimize=True)
+        print(f"[shot] wrote {args.out} ({image.size[0]}x{image.size[1]}, "
+              f"{args.out.stat().st_size / 1024:.0f} KiB)", flush=True)
+    finally:
+        if cdp is not None:
+            try:
+                cdp.call("Browser.close")
+            except Exception:  # noqa: BLE001 - fall back to terminating the process
+                pass
+            cdp.close()
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+        if log is not None:
+            log.close()
+        if server is not None:
+            server.stop()
+        if args.keep_temp:
+            print(f"[shot] kept {tmp}", flush=True)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
