@@ -73,17 +73,14 @@ def _progress(desc: str):
 def generate(args) -> int:
     from PIL import Image
 
-    from . import frames_for_duration, load_pipeline, parse_prompt, serialize_caption
+    from . import frames_for_duration, load_pipeline, parse_prompt
     from .text_conditioning import compact_json
     from .video_io import write_png, write_video
 
-    if args.prompt_json:
-        data = json.loads(Path(args.prompt_json).read_text(encoding="utf-8"))
-        prompt = serialize_caption(data)
-        first = data[0] if isinstance(data, list) and data else data
-        duration = first.get("duration") if isinstance(first, dict) else None
-    else:
-        prompt, duration = args.prompt, parse_prompt(args.prompt).duration
+    # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
+    # the caption, and a validated duration.
+    prompt = Path(args.prompt_json).read_text(encoding="utf-8") if args.prompt_json else args.prompt
+    duration = parse_prompt(prompt).duration
     negative = args.negative_prompt
     if args.negative_prompt_json:
         negative = compact_json(json.loads(Path(args.negative_prompt_json).read_text(encoding="utf-8")))

@@ -9,6 +9,7 @@ generator) to draw the sample, which keeps the reference's RNG order however the
 from __future__ import annotations
 
 import math
+import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Tuple
@@ -21,6 +22,10 @@ from diffusers.models.autoencoders.vae import DiagonalGaussianDistribution
 TEMPORAL_COMPRESSION = 4
 SPATIAL_COMPRESSION = 8
 SIZE_MULTIPLE = 16  # latent must be divisible by the DiT's 2x2 patch
+# Upper bounds (the nodes' widget maxima): a larger request is a typo or a hostile workflow, and would
+# otherwise allocate noise/latents without bound (a caption "duration" can also ask for any frame count).
+MAX_SIDE = 4096
+MAX_FRAMES = 1001
 # Scale-to-cover of an extreme aspect ratio can ask for a gigantic intermediate image (a 10000x10
 # image covering 832x480 would be 832000x832); refuse instead of allocating gigabytes.
 MAX_COVER_PIXELS = 8192 * 8192
@@ -30,20 +35,36 @@ REFINER_TILE_STRIDE = (288, 480)
 
 
 def check_video_size(num_frames: int, height: int, width: int) -> None:
-    """Raise a ValueError naming the bad value and the allowed ones."""
-    if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % TEMPORAL_COMPRESSION:
-        lo = max(1, ((max(num_frames, 1) - 1) // 4) * 4 + 1)
+    """Raise a ValueError naming the bad value and the allowed ones (any integer type is accepted)."""
+    num_frames, height, width = (_as_int(v) for v in (num_frames, height, width))
+
+    def near(value, step, lo, hi):  # a valid value at or below ``value``, for the message
+        v = value if isinstance(value, (int, float)) and math.isfinite(value) else lo
+        return int(min(max(lo, ((max(v, lo) - lo) // step) * step + lo), hi - step))
+
+    if not isinstance(num_frames, int) or num_frames < 1 or (num_frames - 1) % TEMPORAL_COMPRESSION or num_frames > MAX_FRAMES:
+        lo = near(num_frames, TEMPORAL_COMPRESSION, 1, MAX_FRAMES)
         raise ValueError(
-            f"num_frames={num_frames} is not allowed: use 1 (an image) or 4n+1 frames "
+            f"num_frames={num_frames} is not allowed: use 1 (an image) or 4n+1 frames, at most {MAX_FRAMES} "
             f"(e.g. {lo} or {lo + 4})."
         )
     for name, value in (("height", height), ("width", width)):
-        if not isinstance(value, int) or value < SIZE_MULTIPLE or value % SIZE_MULTIPLE:
-            lo = max(SIZE_MULTIPLE, (max(value, 0) // SIZE_MULTIPLE) * SIZE_MULTIPLE)
+        if not isinstance(value, int) or value < SIZE_MULTIPLE or value % SIZE_MULTIPLE or value > MAX_SIDE:
+            lo = near(value, SIZE_MULTIPLE, SIZE_MULTIPLE, MAX_SIDE)
             raise ValueError(
-                f"{name}={value} is not allowed: use a multiple of {SIZE_MULTIPLE} pixels, at least "
-                f"{SIZE_MULTIPLE} (e.g. {lo} or {lo + SIZE_MULTIPLE})."
+                f"{name}={value} is not allowed: use a multiple of {SIZE_MULTIPLE} pixels, from {SIZE_MULTIPLE} to "
+                f"{MAX_SIDE} (e.g. {lo} or {lo + SIZE_MULTIPLE})."
             )
+
+
+def _as_int(value):
+    """numpy/torch integers -> int; anything else (floats, strings, bools) is left to be rejected."""
+    if isinstance(value, bool):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def latent_shape(num_frames: int, height: int, width: int, channels: int = 16) -> Tuple[int, ...]:
@@ -95,7 +116,7 @@ class Posterior:
 
 
 def image_to_uint8(image) -> torch.Tensor:
-    """PIL image, (H, W, C) float array/tensor in [0, 1] or uint8 array -> (H, W, 3) uint8 tensor.
+    """PIL image, (H, W, C) float array/tensor in [0, 1] or integer array in 0..255 -> (H, W, 3) uint8.
 
     Float pixels are rounded (``round(x * 255)``), which recovers the original bytes of an image that
     came from uint8, as a ComfyUI IMAGE does. Grayscale is repeated to RGB; alpha is dropped.
@@ -107,12 +128,21 @@ def image_to_uint8(image) -> torch.Tensor:
         t = t[..., None]
     if t.ndim != 3:
         raise ValueError(f"image must be (H, W, C); got shape {tuple(t.shape)}.")
+    if t.shape[0] < 1 or t.shape[1] < 1:
+        raise ValueError(f"image is empty (shape {tuple(t.shape)}); it needs at least 1x1 pixels.")
     if t.shape[-1] == 1:
         t = t.expand(*t.shape[:2], 3)
     elif t.shape[-1] == 4:
         t = t[..., :3]
     elif t.shape[-1] != 3:
         raise ValueError(f"image must have 1, 3 or 4 channels; got {t.shape[-1]}.")
+    if t.dtype == torch.bool:
+        raise ValueError("image must hold pixel values, not booleans.")
+    if not t.is_floating_point() and t.dtype != torch.uint8:
+        # Integer pixels are 0..255 values (not [0, 1] floats).
+        if t.numel() and (t.min() < 0 or t.max() > 255):
+            raise ValueError(f"integer image values must be in 0..255; got {int(t.min())}..{int(t.max())}.")
+        t = t.to(torch.uint8)
     if t.dtype != torch.uint8:
         t = t.float()
         if not torch.isfinite(t).all():

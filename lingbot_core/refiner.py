@@ -14,7 +14,8 @@ REFINER_FPS = 24.0
 
 
 def refiner_frame_indices(num_frames: int, src_fps: float = REFINER_FPS, max_frames: Optional[int] = None) -> List[int]:
-    """Which source frames the refiner sees: resampled to 24 fps when faster, then 4n+1 (rounded down).
+    """Which source frames the refiner sees: resampled to 24 fps when faster, then 4n+1 (rounded down,
+    so never more than the source has).
 
     ``max_frames`` caps the count afterwards (not re-snapped to 4n+1, as the reference).
     """
@@ -26,8 +27,6 @@ def refiner_frame_indices(num_frames: int, src_fps: float = REFINER_FPS, max_fra
         count = min(count, int(max_frames))
     if count < 1:
         raise ValueError(f"{num_frames} frames at {src_fps} fps leave no frame for the refiner.")
-    if num_frames < count:
-        return list(range(num_frames)) + [num_frames - 1] * (count - num_frames)
     return np.linspace(0, num_frames - 1, count).astype(np.int64).tolist()
 
 

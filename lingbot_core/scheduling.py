@@ -31,12 +31,18 @@ def shifted_sigmas(steps: int, shift: float) -> np.ndarray:
 
 
 def timesteps_from_sigmas(sigmas: np.ndarray) -> np.ndarray:
-    """Integer timesteps as the reference computes them: ``int64(sigma * 1000)`` (truncation)."""
-    return (np.asarray(sigmas, dtype=np.float64) * 1000).astype(np.int64)
+    """Integer timesteps as the reference computes them: ``int64(sigma * 1000)`` (truncation), in the
+    sigmas' own precision (float64 for the base grid, float32 for the refiner's explicit list)."""
+    sigmas = np.asarray(sigmas)
+    return (sigmas * sigmas.dtype.type(1000)).astype(np.int64)
 
 
 def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -> np.ndarray:
-    """The refiner's schedule: the normal grid cut at ``t_thresh``, started at it, plus tail points."""
+    """The refiner's schedule: the normal grid cut at ``t_thresh``, started at it, plus tail points.
+
+    Returned as float32, as the reference hands it to the scheduler (whose timesteps are then
+    computed in float32: t_thresh 0.9 -> 900, where float64 arithmetic would give 899).
+    """
     if not (0.0 < t_thresh <= 1.0) or not np.isfinite(t_thresh):
         raise ValueError(f"t_thresh must be in (0, 1], got {t_thresh}.")
     if tail_steps < 0:
@@ -54,7 +60,7 @@ def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -
         or np.any(np.diff(kept) >= 0) or abs(kept[0] - t_thresh) > 1e-6
     ):
         raise ValueError(f"invalid refiner sigma schedule {kept.tolist()} (steps={steps}, t_thresh={t_thresh}).")
-    return kept
+    return kept.astype(np.float32)
 
 
 def model_timestep(t_int: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -83,6 +89,8 @@ def load_scheduler_config(path: Optional[str]) -> dict:
 def make_scheduler(sigmas: np.ndarray, config: Optional[dict] = None) -> UniPCMultistepScheduler:
     """A fresh diffusers UniPC-bh2 scheduler stepping exactly through ``sigmas`` (then 0).
 
+    Integer timesteps are ``int64(sigma * 1000)`` computed in the array's own precision (float64 base
+    grid, float32 refiner list), solver sigmas are stored as float32: both as the reference.
     ``config`` is the package's scheduler config; its ``shift`` is ignored on purpose: the shift is
     already inside ``sigmas`` (the reference passes it at ``set_timesteps`` time).
     """
@@ -99,5 +107,11 @@ def make_scheduler(sigmas: np.ndarray, config: Optional[dict] = None) -> UniPCMu
         disable_corrector=list(config.get("disable_corrector", [])),
         final_sigmas_type="zero",
     )
-    scheduler.set_timesteps(sigmas=np.asarray(sigmas, dtype=np.float32).astype(np.float64))
+    sigmas = np.asarray(sigmas)
+    if sigmas.dtype not in (np.float32, np.float64):
+        sigmas = sigmas.astype(np.float64)
+    scheduler.set_timesteps(sigmas=sigmas.copy())
+    # Two equal leading integer timesteps (e.g. refiner t_thresh 0.8479 next to grid point 0.847457)
+    # would make diffusers start at the second one; the loop always starts at index 0.
+    scheduler.set_begin_index(0)
     return scheduler

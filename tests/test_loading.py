@@ -101,6 +101,18 @@ def test_unknown_transformer_subfolder(packages):
         load_pipeline(packages["dense"], transformer_subfolder="unet", device="cpu")
 
 
+def test_unsupported_scheduler_config(tmp_path):
+    from lingbot_core.fixtures import write_package
+
+    root = write_package(tmp_path / "pkg", fp32=True, refiner=False)
+    path = root / "scheduler" / "scheduler_config.json"
+    cfg = json.loads(path.read_text())
+    cfg["prediction_type"] = "epsilon"
+    path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="prediction_type"):
+        load_pipeline(root, device="cpu")
+
+
 # ---------------------------------------------------------------------------------------------
 # Arguments checked before any weights load
 # ---------------------------------------------------------------------------------------------

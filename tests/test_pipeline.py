@@ -14,6 +14,34 @@ BASE = dict(height=H, width=W, num_frames=F, steps=2)
 REFINE = dict(height=64, width=128, steps=3, tile_size=(32, 32), tile_stride=(24, 24))
 
 
+@pytest.fixture(scope="module")
+def dense(packages):
+    """One dense pipeline for the module (loading and releasing per test dominates the run time)."""
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture(scope="module")
+def moe(packages):
+    pipe = load_pipeline(packages["moe"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture(scope="module")
+def refiner(packages):
+    pipe = load_pipeline(packages["moe"], transformer_subfolder="refiner", device="cpu")
+    yield pipe
+    pipe.release()
+
+
+@pytest.fixture(scope="module")
+def base_frames(moe):
+    """A T2V run of the MoE base model: the refiner's input."""
+    return moe.generate("a cat", seed=0, **BASE)
+
+
 def _check_frames(frames, shape):
     assert isinstance(frames, np.ndarray)
     assert frames.shape == shape
@@ -48,38 +76,37 @@ def _count_dit_calls(pipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_t2v(dense_pipe):
-    _check_frames(dense_pipe.generate("a cat", seed=0, **BASE), (F, H, W, 3))
+def test_t2v(dense):
+    _check_frames(dense.generate("a cat", seed=0, **BASE), (F, H, W, 3))
 
 
-def test_t2i(dense_pipe):
-    _check_frames(dense_pipe.generate("a cat", seed=0, **dict(BASE, num_frames=1)), (1, H, W, 3))
+def test_t2i(dense):
+    _check_frames(dense.generate("a cat", seed=0, **dict(BASE, num_frames=1)), (1, H, W, 3))
 
 
-def test_ti2v(dense_pipe, test_image):
-    _check_frames(dense_pipe.generate("a cat", image=test_image, seed=0, **BASE), (F, H, W, 3))
+def test_ti2v(dense, test_image):
+    _check_frames(dense.generate("a cat", image=test_image, seed=0, **BASE), (F, H, W, 3))
 
 
-def test_moe_t2v(moe_pipe):
-    _check_frames(moe_pipe.generate("a cat", seed=0, **BASE), (F, H, W, 3))
+def test_moe_t2v(moe):
+    _check_frames(moe.generate("a cat", seed=0, **BASE), (F, H, W, 3))
 
 
-def test_refiner(moe_pipe, refiner_pipe, test_image):
-    frames = moe_pipe.generate("a cat", seed=0, **BASE)
-    refined = refiner_pipe.refine(frames, "a cat", first_frame=test_image, seed=0, **REFINE)
+def test_refiner(base_frames, refiner, test_image):
+    refined = refiner.refine(base_frames, "a cat", first_frame=test_image, seed=0, **REFINE)
     _check_frames(refined, (F, 64, 128, 3))
 
 
-def test_output_types(dense_pipe):
-    latent = dense_pipe.generate("a cat", seed=0, output_type="latent", **BASE)
+def test_output_types(dense):
+    latent = dense.generate("a cat", seed=0, output_type="latent", **BASE)
     assert isinstance(latent, torch.Tensor)
     assert latent.shape == (1, 16, 2, H // 8, W // 8) and latent.dtype == torch.float32
-    pt = dense_pipe.generate("a cat", seed=0, output_type="pt", **BASE)
+    pt = dense.generate("a cat", seed=0, output_type="pt", **BASE)
     assert isinstance(pt, torch.Tensor) and pt.shape == (F, H, W, 3)
     # Decoding the latent gives the frames of the same run.
-    assert torch.equal(dense_pipe.decode(latent), pt)
+    assert torch.equal(dense.decode(latent), pt)
     with pytest.raises(ValueError, match="output_type"):
-        dense_pipe.generate("a cat", seed=0, output_type="pil", **BASE)
+        dense.generate("a cat", seed=0, output_type="pil", **BASE)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,28 +114,28 @@ def test_output_types(dense_pipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_same_seed_same_frames_exact(dense_pipe):
-    a = dense_pipe.generate("a cat", seed=3, **BASE)
-    b = dense_pipe.generate("a cat", seed=3, **BASE)
+def test_same_seed_same_frames_exact(dense):
+    a = dense.generate("a cat", seed=3, **BASE)
+    b = dense.generate("a cat", seed=3, **BASE)
     np.testing.assert_array_equal(a, b)
-    c = dense_pipe.generate("a cat", seed=4, **BASE)
+    c = dense.generate("a cat", seed=4, **BASE)
     assert np.abs(a - c).max() > 1e-3
 
 
-def test_two_loads_same_frames(packages, dense_pipe):
+def test_two_loads_same_frames(packages, dense):
     other = load_pipeline(packages["dense"], device="cpu")
     try:
-        a = dense_pipe.generate("a cat", seed=5, **BASE)
+        a = dense.generate("a cat", seed=5, **BASE)
         b = other.generate("a cat", seed=5, **BASE)
     finally:
         other.release()
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-5)
 
 
-def test_sharded_moe_equals_single_file(packages, moe_pipe):
+def test_sharded_moe_equals_single_file(packages, moe):
     sharded = load_pipeline(packages["moe_sharded"], device="cpu")
     try:
-        a = moe_pipe.generate("a cat", seed=6, **BASE)
+        a = moe.generate("a cat", seed=6, **BASE)
         b = sharded.generate("a cat", seed=6, **BASE)
     finally:
         sharded.release()
@@ -120,56 +147,56 @@ def test_sharded_moe_equals_single_file(packages, moe_pipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_ti2v_first_latent_frame_is_condition(dense_pipe, test_image):
+def test_ti2v_first_latent_frame_is_condition(dense, test_image):
     seed = 9
-    cond = dense_pipe.encode_image(test_image, H, W)
-    latent = dense_pipe.generate("a cat", condition=cond, seed=seed, output_type="latent", **BASE)
-    expected = dense_pipe.normalizer.to_dit(cond.posterior.sample(torch.Generator().manual_seed(seed)))
+    cond = dense.encode_image(test_image, H, W)
+    latent = dense.generate("a cat", condition=cond, seed=seed, output_type="latent", **BASE)
+    expected = dense.normalizer.to_dit(cond.posterior.sample(torch.Generator().manual_seed(seed)))
     assert torch.equal(latent[:, :, :1], expected)
     assert not torch.equal(latent[:, :, 1:2], expected)
     # The image path and a precomputed condition give the same result.
-    from_image = dense_pipe.generate("a cat", image=test_image, seed=seed, output_type="latent", **BASE)
+    from_image = dense.generate("a cat", image=test_image, seed=seed, output_type="latent", **BASE)
     assert torch.equal(from_image, latent)
 
 
-def test_ti2v_rng_order(monkeypatch, dense_pipe, test_image):
+def test_ti2v_rng_order(monkeypatch, dense, test_image):
     seed = 11
-    cond = dense_pipe.encode_image(test_image, H, W)
-    seen = _capture_denoise(monkeypatch, dense_pipe)
-    dense_pipe.generate("a cat", condition=cond, seed=seed, **BASE)
+    cond = dense.encode_image(test_image, H, W)
+    seen = _capture_denoise(monkeypatch, dense)
+    dense.generate("a cat", condition=cond, seed=seed, **BASE)
 
     g = torch.Generator().manual_seed(seed)
     post = cond.posterior.sample(g)  # draw 1: posterior eps of the first-frame encode
     noise = torch.randn(1, 16, 2, H // 8, W // 8, generator=g)  # draw 2: initial noise
     assert torch.equal(seen["latents"], noise)
-    assert torch.equal(seen["condition_latent"], dense_pipe.normalizer.to_dit(post))
+    assert torch.equal(seen["condition_latent"], dense.normalizer.to_dit(post))
     # Noise drawn first would be a different tensor: the test can tell the orders apart.
     first = torch.randn(1, 16, 2, H // 8, W // 8, generator=torch.Generator().manual_seed(seed))
     assert not torch.equal(seen["latents"], first)
 
 
-def test_t2v_noise_is_first_draw(monkeypatch, dense_pipe):
-    seen = _capture_denoise(monkeypatch, dense_pipe)
-    dense_pipe.generate("a cat", seed=12, **BASE)
+def test_t2v_noise_is_first_draw(monkeypatch, dense):
+    seen = _capture_denoise(monkeypatch, dense)
+    dense.generate("a cat", seed=12, **BASE)
     noise = torch.randn(1, 16, 2, H // 8, W // 8, generator=torch.Generator().manual_seed(12))
     assert torch.equal(seen["latents"], noise)
     assert seen["condition_latent"] is None
 
 
-def test_refiner_rng_order(monkeypatch, moe_pipe, refiner_pipe, test_image):
+def test_refiner_rng_order(monkeypatch, base_frames, refiner, test_image):
     seed, t = 13, 0.85
-    frames = moe_pipe.generate("a cat", seed=0, **BASE)
-    seen = _capture_denoise(monkeypatch, refiner_pipe)
-    refiner_pipe.refine(frames, "a cat", first_frame=test_image, seed=seed, t_thresh=t, **REFINE)
+    frames = base_frames
+    seen = _capture_denoise(monkeypatch, refiner)
+    refiner.refine(frames, "a cat", first_frame=test_image, seed=seed, t_thresh=t, **REFINE)
 
     tiling = dict(tiling=True, tile_size=REFINE["tile_size"], tile_stride=REFINE["tile_stride"])
     idx = refiner_frame_indices(F, 24.0)
     lowres = resize_frames(torch.from_numpy(frames[idx]), 64, 128)
-    norm = refiner_pipe.normalizer
+    norm = refiner.normalizer
     g = torch.Generator().manual_seed(seed)  # fresh generator with the same seed
-    x_up = norm.to_dit(refiner_pipe.encode_video(lowres, **tiling).sample(g))  # draw 1: video posterior
+    x_up = norm.to_dit(refiner.encode_video(lowres, **tiling).sample(g))  # draw 1: video posterior
     pixels = first_frame_pixels(test_image, H, W, 64, 128)
-    cond = norm.to_dit(refiner_pipe.encode_video(pixels, **tiling).sample(g))  # draw 2: first-frame posterior
+    cond = norm.to_dit(refiner.encode_video(pixels, **tiling).sample(g))  # draw 2: first-frame posterior
     x_up[:, :, :1] = cond
     noise = torch.randn(x_up.shape, generator=g)  # draw 3: noise
     expected = (1 - t) * x_up + t * noise
@@ -180,19 +207,19 @@ def test_refiner_rng_order(monkeypatch, moe_pipe, refiner_pipe, test_image):
     assert seen["sigmas"][0] == pytest.approx(t)
     # Another order (noise before the first-frame draw) gives another start latent.
     g2 = torch.Generator().manual_seed(seed)
-    refiner_pipe.encode_video(lowres, **tiling).sample(g2)
+    refiner.encode_video(lowres, **tiling).sample(g2)
     wrong_noise = torch.randn(x_up.shape, generator=g2)
     assert (seen["latents"] - ((1 - t) * x_up + t * wrong_noise)).abs().max() > 1e-2
 
 
-def test_refiner_uses_null_negative_by_default(monkeypatch, moe_pipe, refiner_pipe):
-    frames = moe_pipe.generate("a cat", seed=0, **BASE)
-    seen = _capture_denoise(monkeypatch, refiner_pipe)
-    refiner_pipe.refine(frames, "a cat", seed=0, **REFINE)
+def test_refiner_uses_null_negative_by_default(monkeypatch, base_frames, refiner):
+    frames = base_frames
+    seen = _capture_denoise(monkeypatch, refiner)
+    refiner.refine(frames, "a cat", seed=0, **REFINE)
     emb = seen["embeds"]
     assert emb.negative.shape == emb.positive.shape and torch.count_nonzero(emb.negative) == 0
     assert not emb.with_image  # text-only conditioning, even with a first frame
-    refiner_pipe.refine(frames, "a cat", negative_prompt="blurry", seed=0, **REFINE)
+    refiner.refine(frames, "a cat", negative_prompt="blurry", seed=0, **REFINE)
     assert torch.count_nonzero(seen["embeds"].negative) > 0
 
 
@@ -201,13 +228,13 @@ def test_refiner_uses_null_negative_by_default(monkeypatch, moe_pipe, refiner_pi
 # ---------------------------------------------------------------------------------------------
 
 
-def test_guidance_one_runs_without_negative(dense_pipe):
-    calls, handle = _count_dit_calls(dense_pipe)
+def test_guidance_one_runs_without_negative(dense):
+    calls, handle = _count_dit_calls(dense)
     try:
-        dense_pipe.generate("a cat", seed=0, guidance_scale=1.0, **BASE)
+        dense.generate("a cat", seed=0, guidance_scale=1.0, **BASE)
         assert len(calls) == BASE["steps"]
         calls.clear()
-        dense_pipe.generate("a cat", seed=0, guidance_scale=3.0, **BASE)
+        dense.generate("a cat", seed=0, guidance_scale=3.0, **BASE)
         assert len(calls) == 2 * BASE["steps"]
         # Cond first (18 text tokens), then uncond (the 909-token default video negative).
         assert calls[:2] == [18, 909]
@@ -215,9 +242,9 @@ def test_guidance_one_runs_without_negative(dense_pipe):
         handle.remove()
 
 
-def test_guidance_changes_frames(dense_pipe):
-    a = dense_pipe.generate("a cat", seed=0, guidance_scale=1.0, **BASE)
-    b = dense_pipe.generate("a cat", seed=0, guidance_scale=3.0, **BASE)
+def test_guidance_changes_frames(dense):
+    a = dense.generate("a cat", seed=0, guidance_scale=1.0, **BASE)
+    b = dense.generate("a cat", seed=0, guidance_scale=3.0, **BASE)
     assert np.abs(a - b).max() > 1e-3
 
 
@@ -226,46 +253,46 @@ def test_guidance_changes_frames(dense_pipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_refiner_pipe_cannot_generate(refiner_pipe):
+def test_refiner_cannot_generate(refiner):
     with pytest.raises(ValueError, match="refiner"):
-        refiner_pipe.generate("a cat", seed=0, **BASE)
+        refiner.generate("a cat", seed=0, **BASE)
 
 
-def test_base_pipe_cannot_refine(dense_pipe):
+def test_base_pipe_cannot_refine(dense):
     frames = np.zeros((5, H, W, 3), np.float32)
     with pytest.raises(ValueError, match="refiner"):
-        dense_pipe.refine(frames, "a cat", **REFINE)
+        dense.refine(frames, "a cat", **REFINE)
 
 
-def test_refine_needs_five_frames(refiner_pipe):
+def test_refine_needs_five_frames(refiner):
     with pytest.raises(ValueError, match="at least 5 frames"):
-        refiner_pipe.refine(np.zeros((1, H, W, 3), np.float32), "a cat", **REFINE)
+        refiner.refine(np.zeros((1, H, W, 3), np.float32), "a cat", **REFINE)
 
 
-def test_refine_rejects_bad_frames(refiner_pipe):
+def test_refine_rejects_bad_frames(refiner):
     with pytest.raises(ValueError, match=r"\(T, H, W, 3\)"):
-        refiner_pipe.refine(np.zeros((5, H, W), np.float32), "a cat", **REFINE)
+        refiner.refine(np.zeros((5, H, W), np.float32), "a cat", **REFINE)
     bad = np.zeros((5, H, W, 3), np.float32)
     bad[0, 0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="NaN"):
-        refiner_pipe.refine(bad, "a cat", **REFINE)
+        refiner.refine(bad, "a cat", **REFINE)
 
 
-def test_condition_size_mismatch(dense_pipe, test_image):
-    cond = dense_pipe.encode_image(test_image, 64, 96)
+def test_condition_size_mismatch(dense, test_image):
+    cond = dense.encode_image(test_image, 64, 96)
     with pytest.raises(ValueError, match="64x96"):
-        dense_pipe.generate("a cat", condition=cond, height=64, width=128, num_frames=5, steps=2)
+        dense.generate("a cat", condition=cond, height=64, width=128, num_frames=5, steps=2)
 
 
-def test_invalid_sizes_rejected_before_work(dense_pipe):
-    calls, handle = _count_dit_calls(dense_pipe)
+def test_invalid_sizes_rejected_before_work(dense):
+    calls, handle = _count_dit_calls(dense)
     try:
         with pytest.raises(ValueError, match="num_frames"):
-            dense_pipe.generate("a cat", height=64, width=96, num_frames=6, steps=2)
+            dense.generate("a cat", height=64, width=96, num_frames=6, steps=2)
         with pytest.raises(ValueError, match="width"):
-            dense_pipe.generate("a cat", height=64, width=100, num_frames=5, steps=2)
+            dense.generate("a cat", height=64, width=100, num_frames=5, steps=2)
         with pytest.raises(ValueError, match="seed"):
-            dense_pipe.generate("a cat", seed=-1, **BASE)
+            dense.generate("a cat", seed=-1, **BASE)
     finally:
         handle.remove()
     assert calls == []
@@ -276,23 +303,23 @@ def test_invalid_sizes_rejected_before_work(dense_pipe):
 # ---------------------------------------------------------------------------------------------
 
 
-def test_callback_once_per_step(dense_pipe):
+def test_callback_once_per_step(dense):
     seen = []
-    dense_pipe.generate("a cat", seed=0, callback=lambda i, n, x0: seen.append((i, n, tuple(x0.shape))),
+    dense.generate("a cat", seed=0, callback=lambda i, n, x0: seen.append((i, n, tuple(x0.shape))),
                         **dict(BASE, steps=3))
     assert seen == [(0, 3, (1, 16, 2, 8, 12)), (1, 3, (1, 16, 2, 8, 12)), (2, 3, (1, 16, 2, 8, 12))]
 
 
-def test_callback_last_x0_is_result(dense_pipe):
+def test_callback_last_x0_is_result(dense):
     # At the last step sigma goes to 0, so the final latent equals the last x0 estimate (up to the solver's rounding).
     x0s = []
-    latent = dense_pipe.generate("a cat", seed=0, output_type="latent", callback=lambda i, n, x0: x0s.append(x0.clone()),
+    latent = dense.generate("a cat", seed=0, output_type="latent", callback=lambda i, n, x0: x0s.append(x0.clone()),
                                  **BASE)
     torch.testing.assert_close(x0s[-1], latent, rtol=1e-4, atol=1e-4)
 
 
-def test_callback_exception_propagates_and_pipeline_recovers(dense_pipe):
-    before = dense_pipe.generate("a cat", seed=1, **BASE)
+def test_callback_exception_propagates_and_pipeline_recovers(dense):
+    before = dense.generate("a cat", seed=1, **BASE)
 
     class Cancelled(Exception):
         pass
@@ -302,6 +329,18 @@ def test_callback_exception_propagates_and_pipeline_recovers(dense_pipe):
             raise Cancelled()
 
     with pytest.raises(Cancelled):
-        dense_pipe.generate("a cat", seed=1, callback=cancel, **BASE)
-    after = dense_pipe.generate("a cat", seed=1, **BASE)
+        dense.generate("a cat", seed=1, callback=cancel, **BASE)
+    after = dense.generate("a cat", seed=1, **BASE)
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("steps, t_thresh", [(8, 0.9), (40, 0.8479)])
+def test_refine_t_thresh_sharing_first_integer_timestep(refiner, steps, t_thresh):
+    frames = np.random.default_rng(0).random((5, H, W, 3), dtype=np.float32)
+    kw = {k: v for k, v in REFINE.items() if k != "steps"}
+    try:
+        out = refiner.refine(frames, "a cat", steps=steps, t_thresh=t_thresh, guidance_scale=1.0, seed=0, **kw)
+    except ValueError as e:  # a clear refusal naming the parameter would be acceptable too
+        assert "t_thresh" in str(e)
+    else:
+        _check_frames(out, (F, 64, 128, 3))

@@ -138,7 +138,7 @@ def test_refiner_does_not_duplicate_threshold_on_grid_point():
     # t_thresh equal to a grid value (within 1e-6) is not prepended a second time.
     grid = shifted_sigmas(8, 3.0)
     sig = refiner_sigmas(8, 3.0, float(grid[3]), 0)
-    np.testing.assert_allclose(sig, grid[3:], rtol=0, atol=1e-12)
+    np.testing.assert_array_equal(sig, grid[3:].astype(np.float32))  # float32, as handed to the scheduler
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,3 +310,28 @@ def test_scheduler_config_shift_is_not_applied_twice(tmp_path):
     finally:
         pa.release()
         pb.release()
+
+
+def test_sampler_handles_equal_first_integer_timesteps():
+    # t_thresh 0.8479 with a 40-step grid: sigmas 0.8479, 0.847457, ... -> timesteps 847, 847, ...
+    sigmas = refiner_sigmas(40, 3.0, 0.8479, 2)
+    t = timesteps_from_sigmas(sigmas)
+    assert t[0] == t[1] == 847
+    g = torch.Generator().manual_seed(0)
+    x_T = torch.randn(1, 16, 1, 2, 2, generator=g)
+    v = torch.randn(x_T.shape, generator=g)
+    stub = ConstantVelocity(v)
+    out = sample(stub, x_T, sigmas, torch.zeros(1, 1, 8), None, guidance_scale=1.0)
+    assert len(stub.calls) == len(sigmas)
+    torch.testing.assert_close(out, x_T - float(np.float32(sigmas[0])) * v, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "sigmas, index, expected",
+    [(refiner_sigmas(8, 3.0, 0.7, 2), 0, 700), (refiner_sigmas(8, 3.0, 0.9, 2), 0, 900),
+     (shifted_sigmas(37, 1.0), 2, 945)],
+    ids=["refiner-0.7", "refiner-0.9", "N37-shift1"],
+)
+def test_make_scheduler_integer_timesteps_not_lowered_by_fp32(sigmas, index, expected):
+    assert timesteps_from_sigmas(sigmas)[index] == expected
+    assert make_scheduler(sigmas).timesteps.tolist() == timesteps_from_sigmas(sigmas).tolist()

@@ -15,6 +15,16 @@ from lingbot_core.text_conditioning import (
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
+@pytest.fixture(scope="module")
+def dense(packages):
+    """One dense pipeline for the module's read-only checks (the cache tests use a fresh dense_pipe)."""
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
@@ -61,29 +71,29 @@ def test_default_negatives_verbatim():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_crop_start_is_template_prefix_length(dense_pipe):
+def test_crop_start_is_template_prefix_length(dense):
     prefix = PROMPT_TEMPLATE.split("{}")[0]
     assert _bytes_token_count(prefix) == 735
-    assert dense_pipe.crop_start == 735
+    assert dense.crop_start == 735
 
 
-def test_positive_keeps_user_text_and_trailing_template_tokens(dense_pipe):
-    emb = dense_pipe.encode_prompt("a cat", guidance_scale=1.0, num_frames=5)
+def test_positive_keeps_user_text_and_trailing_template_tokens(dense):
+    emb = dense.encode_prompt("a cat", guidance_scale=1.0, num_frames=5)
     # 5 bytes of "a cat" + <|im_end|>, "\n", <|im_start|>, "assistant" (9 bytes), "\n" = 18 with the bytes tokenizer.
     suffix = PROMPT_TEMPLATE.split("{}")[1]
     assert _bytes_token_count("a cat" + suffix) == 18
     assert emb.positive.shape == (1, 753 - 735, 64)
     assert emb.negative is None
     # The encoder sees the whole sequence; the kept states are its rows from crop_start on.
-    full = _hidden_states(dense_pipe, "a cat")
+    full = _hidden_states(dense, "a cat")
     assert full.shape[1] == 753
     torch.testing.assert_close(emb.positive, full[:, 735:], rtol=0, atol=0)
 
 
-def test_ti2v_embeds_include_image_tokens(dense_pipe, test_image):
-    cond = dense_pipe.encode_image(test_image, 64, 96)
-    plain = dense_pipe.encode_prompt("a cat", num_frames=5)
-    with_image = dense_pipe.encode_prompt("a cat", num_frames=5, condition=cond)
+def test_ti2v_embeds_include_image_tokens(dense, test_image):
+    cond = dense.encode_image(test_image, 64, 96)
+    plain = dense.encode_prompt("a cat", num_frames=5)
+    with_image = dense.encode_prompt("a cat", num_frames=5, condition=cond)
     # <|vision_start|> + (64/32)*(96/32) = 6 image pads + <|vision_end|>
     assert with_image.positive.shape[1] == plain.positive.shape[1] + 8
     assert with_image.negative.shape[1] == plain.negative.shape[1] + 8
@@ -91,7 +101,7 @@ def test_ti2v_embeds_include_image_tokens(dense_pipe, test_image):
     # The VLM sees the first-frame pixels, as uint8 (truncated), at a multiple of 32.
     img = vlm_image(cond.pixels)
     assert img.size == (96, 64)
-    full = _hidden_states(dense_pipe, "a cat", image=img)
+    full = _hidden_states(dense, "a cat", image=img)
     torch.testing.assert_close(with_image.positive, full[:, 735:], rtol=0, atol=0)
 
 
@@ -161,44 +171,44 @@ def test_parse_prompt_empty(text):
 
 @pytest.mark.parametrize("num_frames, default", [(5, DEFAULT_NEGATIVE_VIDEO), (1, DEFAULT_NEGATIVE_IMAGE)],
                          ids=["video", "image"])
-def test_none_negative_is_mode_default(dense_pipe, num_frames, default):
-    emb = dense_pipe.encode_prompt("a cat", None, num_frames=num_frames, guidance_scale=3.0)
+def test_none_negative_is_mode_default(dense, num_frames, default):
+    emb = dense.encode_prompt("a cat", None, num_frames=num_frames, guidance_scale=3.0)
     suffix = PROMPT_TEMPLATE.split("{}")[1]
     assert emb.negative.shape == (1, _bytes_token_count(default + suffix), 64)  # 909 / 598
-    torch.testing.assert_close(emb.negative, _hidden_states(dense_pipe, default)[:, 735:], rtol=0, atol=0)
+    torch.testing.assert_close(emb.negative, _hidden_states(dense, default)[:, 735:], rtol=0, atol=0)
 
 
-def test_empty_negative_is_kept_distinct_from_none(dense_pipe):
-    empty = dense_pipe.encode_prompt("a cat", "", num_frames=5)
-    default = dense_pipe.encode_prompt("a cat", None, num_frames=5)
+def test_empty_negative_is_kept_distinct_from_none(dense):
+    empty = dense.encode_prompt("a cat", "", num_frames=5)
+    default = dense.encode_prompt("a cat", None, num_frames=5)
     assert empty.negative.shape == (1, 13, 64)  # only the trailing template tokens
     assert default.negative.shape[1] == 909
-    torch.testing.assert_close(empty.negative, _hidden_states(dense_pipe, "")[:, 735:], rtol=0, atol=0)
+    torch.testing.assert_close(empty.negative, _hidden_states(dense, "")[:, 735:], rtol=0, atol=0)
     torch.testing.assert_close(empty.positive, default.positive, rtol=0, atol=0)
 
 
-def test_custom_negative_text_is_encoded(dense_pipe):
-    emb = dense_pipe.encode_prompt("a cat", "blurry", num_frames=5)
-    torch.testing.assert_close(emb.negative, _hidden_states(dense_pipe, "blurry")[:, 735:], rtol=0, atol=0)
+def test_custom_negative_text_is_encoded(dense):
+    emb = dense.encode_prompt("a cat", "blurry", num_frames=5)
+    torch.testing.assert_close(emb.negative, _hidden_states(dense, "blurry")[:, 735:], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("guidance", [1.0, 0.5, 0.0])
-def test_no_negative_without_guidance(dense_pipe, guidance):
-    emb = dense_pipe.encode_prompt("a cat", "blurry", num_frames=5, guidance_scale=guidance)
+def test_no_negative_without_guidance(dense, guidance):
+    emb = dense.encode_prompt("a cat", "blurry", num_frames=5, guidance_scale=guidance)
     assert emb.negative is None
 
 
-def test_null_negative_is_zeros_like_positive(dense_pipe):
-    emb = dense_pipe.encode_prompt("a cat", "blurry", num_frames=5, null_negative=True)
+def test_null_negative_is_zeros_like_positive(dense):
+    emb = dense.encode_prompt("a cat", "blurry", num_frames=5, null_negative=True)
     assert emb.negative.shape == emb.positive.shape
     assert emb.negative.dtype == emb.positive.dtype
     assert torch.count_nonzero(emb.negative) == 0
     assert torch.count_nonzero(emb.positive) > 0
 
 
-def test_bad_guidance_rejected(dense_pipe):
+def test_bad_guidance_rejected(dense):
     with pytest.raises(ValueError, match="guidance_scale"):
-        dense_pipe.encode_prompt("a cat", guidance_scale=float("nan"))
+        dense.encode_prompt("a cat", guidance_scale=float("nan"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -241,20 +251,42 @@ def test_smart_resize_extreme_aspect_raises():
 
 
 def test_prompt_cache_skips_encoder(dense_pipe):
+    dense = dense_pipe
     calls = []
-    handle = dense_pipe.text_encoder.register_forward_pre_hook(lambda m, a: calls.append(1))
+    handle = dense.text_encoder.register_forward_pre_hook(lambda m, a: calls.append(1))
     try:
-        first = dense_pipe.encode_prompt("a dog", num_frames=5)
+        first = dense.encode_prompt("a dog", num_frames=5)
         assert len(calls) == 2  # positive + negative
-        again = dense_pipe.encode_prompt("a dog", num_frames=5)
+        again = dense.encode_prompt("a dog", num_frames=5)
         assert len(calls) == 2
         assert again.positive is first.positive
-        dense_pipe.encode_prompt("a bird", num_frames=5)
+        dense.encode_prompt("a bird", num_frames=5)
         assert len(calls) == 4
         # Another negative, or no guidance, is another cache entry.
-        dense_pipe.encode_prompt("a dog", "", num_frames=5)
+        dense.encode_prompt("a dog", "", num_frames=5)
         assert len(calls) == 6
-        dense_pipe.encode_prompt("a dog", num_frames=5, guidance_scale=1.0)
+        dense.encode_prompt("a dog", num_frames=5, guidance_scale=1.0)
         assert len(calls) == 7
+    finally:
+        handle.remove()
+
+
+def test_prompt_cache_is_bounded_lru(dense_pipe):
+    dense = dense_pipe
+    from lingbot_core.pipeline import PROMPT_CACHE_SIZE
+
+    calls = []
+    handle = dense.text_encoder.register_forward_pre_hook(lambda m, a: calls.append(1))
+    try:
+        prompts = [f"p{i}" for i in range(PROMPT_CACHE_SIZE + 1)]
+        for p in prompts[:PROMPT_CACHE_SIZE]:
+            dense.encode_prompt(p, guidance_scale=1.0)
+        dense.encode_prompt(prompts[0], guidance_scale=1.0)  # refresh p0: p1 is now the oldest
+        assert len(calls) == PROMPT_CACHE_SIZE
+        dense.encode_prompt(prompts[-1], guidance_scale=1.0)  # evicts p1
+        dense.encode_prompt(prompts[0], guidance_scale=1.0)
+        assert len(calls) == PROMPT_CACHE_SIZE + 1
+        dense.encode_prompt(prompts[1], guidance_scale=1.0)
+        assert len(calls) == PROMPT_CACHE_SIZE + 2
     finally:
         handle.remove()
