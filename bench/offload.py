@@ -55,6 +55,10 @@ GIB = 1024 * MIB
 # that all three modes with full-size components finish in a few minutes on a 2-core runner.
 CUDA_WORKLOAD = dict(height=192, width=320, frames=49, steps=40)
 CPU_WORKLOAD = dict(height=64, width=96, frames=5, steps=2)
+# On CPU the bytes tokenizer makes the model's default negative about 1,100 tokens (the real Qwen tokenizer: about
+# 250): with it the text encoder took 68 % of a 64x96 run. The CPU workload therefore uses this short negative.
+CPU_NEGATIVE = "low quality, blurry, distorted"
+MODEL_DEFAULT_NEGATIVE = "@default"
 PROMPT = ("A red fox trots through fresh snow in a quiet pine forest at sunrise, soft golden light, "
           "the camera slowly tracks alongside it.")
 
@@ -273,7 +277,7 @@ def build_tiny_package(folder: Path) -> Dict:
 # ----------------------------------------------------------------------------------------------
 
 
-def test_image(height: int, width: int):
+def bench_image(height: int, width: int):
     """A deterministic RGB float image in [0, 1], larger than the video and of another aspect (exercises the crop)."""
     import torch
 
@@ -303,6 +307,62 @@ def _rss_mib() -> Optional[float]:
 def _peak_rss_mib() -> float:
     ru = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return ru / MIB if sys.platform == "darwin" else ru / 1024  # bytes on macOS, KiB on Linux
+
+
+def _rss_breakdown_mib() -> Dict[str, float]:
+    """RssAnon / RssFile / RssShmem of this process (file-backed pages are mmap'ed safetensors)."""
+    out = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in ("RssAnon", "RssFile", "RssShmem"):
+                out[key] = int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return out
+
+
+def touch_weights(pipe) -> int:
+    """Read one byte per page of every weight tensor of the pipeline; returns the bytes covered.
+
+    safetensors weights that need no dtype cast stay memory-mapped after ``load_pipeline`` (it returns in
+    under a second for 12 GB); without this, the first forward of each component pays the disk read and
+    ``generate`` would time I/O, not offload. Under sequential offload the CPU weights live in the hooks'
+    ``weights_map`` (the parameters are on ``meta``).
+    """
+    import torch
+
+    seen, total = set(), 0
+
+    def touch(t):
+        nonlocal total
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.numel() == 0:
+            return
+        key = (t.data_ptr(), t.numel() * t.element_size())
+        if key in seen:
+            return
+        seen.add(key)
+        flat = t.detach().reshape(-1)
+        if not flat.is_contiguous():
+            flat = flat.contiguous()
+        step = max(1, 4096 // flat.element_size())
+        flat[::step].float().sum().item()
+        total += key[1]
+
+    for module in (pipe.transformer, pipe.text_encoder, pipe.vae):
+        for t in list(module.parameters()) + list(module.buffers()):
+            touch(t)
+        maps = set()
+        for sub in module.modules():
+            hook = getattr(sub, "_hf_hook", None)
+            for h in getattr(hook, "hooks", [hook]):
+                wm = getattr(h, "weights_map", None)
+                data = getattr(wm, "dataset", wm)
+                if data is not None and id(data) not in maps:
+                    maps.add(id(data))
+                    for t in data.values():
+                        touch(t)
+    return total
 
 
 def _tracker(pipe):
@@ -347,7 +407,10 @@ def run_mode(spec: Dict) -> Dict:
     pipe = load_pipeline(spec["package"], offload=spec["mode"], device=device,
                          dtypes={"transformer": dtype, "text_encoder": dtype})
     sync()
+    out["load_call_s"] = time.perf_counter() - t0
+    out["touched_weights_mib"] = touch_weights(pipe) / MIB if spec.get("touch", True) else 0.0
     out["load_s"] = time.perf_counter() - t0
+    out["touch_s"] = out["load_s"] - out["load_call_s"]
     out["rss_after_load_mib"] = _rss_mib()
     out["peak_rss_load_mib"] = _peak_rss_mib()
     if cuda:
@@ -371,9 +434,10 @@ def run_mode(spec: Dict) -> Dict:
 
     steps_done = []
     tracker = _tracker(pipe)
-    image = test_image(spec["height"], spec["width"])
+    image = bench_image(spec["height"], spec["width"])
     with tracker if tracker is not None else contextlib.nullcontext():
         resident_at_start = tracker.resident_bytes() if tracker is not None else 0  # `none`: everything, always
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
         t1 = time.perf_counter()
         frames = pipe.generate(
             spec["prompt"], negative_prompt=spec["negative_prompt"], image=image, height=spec["height"],
@@ -383,6 +447,9 @@ def run_mode(spec: Dict) -> Dict:
         )
         sync()
         out["generate_s"] = time.perf_counter() - t1
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        # CPU seconds of this process: on a shared (oversubscribed) CPU, wall time grows but this barely does.
+        out["generate_cpu_s"] = (ru1.ru_utime - ru0.ru_utime) + (ru1.ru_stime - ru0.ru_stime)
     out["stages_s"] = stages
     out["steps"] = len(steps_done)
     if tracker is not None:
@@ -397,6 +464,7 @@ def run_mode(spec: Dict) -> Dict:
     out["frames_finite"] = bool(np.isfinite(frames).all())
     out["frames_mean"] = float(frames.mean())
     out["peak_rss_mib"] = _peak_rss_mib()
+    out["rss_end_mib"] = _rss_breakdown_mib()
     out["ok"] = True
     log(f"{spec['mode']}: generate {out['generate_s']:.1f} s, peak RSS {out['peak_rss_mib']:.0f} MiB")
     return out
@@ -519,7 +587,13 @@ def markdown(report: Dict) -> str:
         extra.append(f"frames identical across modes: {'yes' if report['frames_identical'] else 'NO'} "
                      f"(sha256 {ref['frames_sha256'][:16]}…, shape {ref['frames_shape']}, "
                      f"finite: {all(r['frames_finite'] for r in ok)})")
+        extra.append("generate, process CPU time (s; user + sys of the mode's process, less sensitive to other load "
+                     "on a shared machine than wall time): " + ", ".join(f"{r['mode']} {_fmt(r.get('generate_cpu_s'))}" for r in ok))
+        extra.append("load = load_pipeline + reading every weight page into RAM (s): " + ", ".join(
+            f"{r['mode']} {_fmt(r['load_call_s'])} + {_fmt(r['touch_s'])}" for r in ok))
         extra.append("peak RSS during load (MiB): " + ", ".join(f"{r['mode']} {_fmt(r['peak_rss_load_mib'], 0)}" for r in ok))
+        extra.append("RSS at the end, anonymous / file-backed (MiB): " + ", ".join(
+            f"{r['mode']} {_fmt(r['rss_end_mib'].get('RssAnon'), 0)} / {_fmt(r['rss_end_mib'].get('RssFile'), 0)}" for r in ok))
         if cuda:
             extra.append("peak GPU reserved (MiB): " + ", ".join(f"{r['mode']} {_fmt(r.get('peak_gpu_reserved_mib'), 0)}" for r in ok))
             extra.append("peak resident weights (MiB, tracker): " + ", ".join(
@@ -543,7 +617,9 @@ def parse_args(argv):
     p.add_argument("--shift", type=float, default=3.0)
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--prompt", default=PROMPT)
-    p.add_argument("--negative-prompt", default=None, help="default: the model's default negative")
+    p.add_argument("--negative-prompt", default=None,
+                   help=f"default: the model's default negative on CUDA, {CPU_NEGATIVE!r} on CPU; "
+                        f"{MODEL_DEFAULT_NEGATIVE!r} selects the model's default negative")
     p.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16",
                    help="DiT and text encoder dtype (VAE always fp32). bf16 also on CPU: with AVX512-BF16/AMX it is "
                         "about 4.5x faster than fp32, and a full-size fp32 text encoder (16.5 GiB) does not fit 24 GiB "
@@ -552,6 +628,9 @@ def parse_args(argv):
     p.add_argument("--workdir", default=None, help="where the full-size package is cached (default ~/.cache/lingbot-bench)")
     p.add_argument("--threads", type=int, default=None, help="torch threads per mode process (default: torch's)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per mode process")
+    p.add_argument("--no-touch", dest="touch", action="store_false",
+                   help="do not read the (memory-mapped) weights into RAM as part of the load; generate then "
+                        "includes the disk reads")
     p.add_argument("--json", default=None, help="also write the results as JSON here")
     p.add_argument("--_child", default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -575,8 +654,11 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: --modes must be a comma-separated subset of {','.join(MODES)}; got {args.modes!r}.")
     defaults = CUDA_WORKLOAD if device == "cuda" else CPU_WORKLOAD
     workload = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    negative = args.negative_prompt
+    if negative is None:
+        negative = MODEL_DEFAULT_NEGATIVE if device == "cuda" else CPU_NEGATIVE
     workload.update(guidance=args.guidance, shift=args.shift, seed=args.seed, dtype=args.dtype,
-                    prompt=args.prompt, negative_prompt=args.negative_prompt)
+                    prompt=args.prompt, negative_prompt=None if negative == MODEL_DEFAULT_NEGATIVE else negative)
 
     workdir = Path(args.workdir).expanduser() if args.workdir else Path(os.environ.get(
         "LINGBOT_BENCH_CACHE", Path.home() / ".cache" / "lingbot-bench"))
@@ -597,7 +679,7 @@ def main(argv=None) -> int:
         for mode in modes:
             log(f"{mode}: running in a fresh process ...")
             spec = dict(workload, package=str(package), mode=mode, device=device, threads=args.threads,
-                        result=str(tmp / f"result-{mode}.json"), build_tiny=args.size == "tiny")
+                        result=str(tmp / f"result-{mode}.json"), build_tiny=args.size == "tiny", touch=args.touch)
             results.append(run_child(spec, tmp, args.timeout))
         load_after = os.getloadavg()
     ok = [r for r in results if r.get("ok")]

@@ -63,6 +63,7 @@ class ResidencyTracker:
 
     def __enter__(self):
         tracker = self
+        self._update_peak()  # under offload "none" everything is resident from the start
         orig_pre, orig_init = CpuOffload.pre_forward, CpuOffload.init_hook
         orig_align_pre, orig_align_post = AlignDevicesHook.pre_forward, AlignDevicesHook.post_forward
 
