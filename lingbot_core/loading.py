@@ -125,7 +125,8 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
 
 
 def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path:
-    """Check the folder looks like a released package; raise a ModelPackageError naming what is missing."""
+    """Check the folder is a released package with safetensors weights for every component (cheap: no
+    weights are read); raise a ModelPackageError naming what is missing."""
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelPackageError(f"model folder {root} does not exist.")
@@ -137,6 +138,9 @@ def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path
         if not (root / sub).is_dir():
             hint = " (only the MoE package ships a refiner)" if sub == "refiner" else ""
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
+    safetensors_files(root / transformer_subfolder, transformer_subfolder, "diffusion_pytorch_model")
+    safetensors_files(root / "text_encoder", "text_encoder", "model")
+    safetensors_files(root / "vae", "vae", "diffusion_pytorch_model")
     return root
 
 
@@ -161,8 +165,6 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     root = check_package(model_dir, transformer_subfolder)
 
     transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
-    safetensors_files(root / "text_encoder", "text_encoder", "model")
-    safetensors_files(root / "vae", "vae", "diffusion_pytorch_model")
     common = dict(local_files_only=True, use_safetensors=True)
     try:
         text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(

@@ -9,6 +9,7 @@ import os
 import folder_paths
 
 from ..lingbot_core import frames_for_duration, serialize_caption
+from ..lingbot_core.text_conditioning import compact_json
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -65,7 +66,9 @@ class LoadLingbotPrompt:
     RETURN_TYPES = ("STRING", "INT", "FLOAT")
     RETURN_NAMES = ("prompt", "num_frames", "duration")
     OUTPUT_TOOLTIPS = (
-        "The caption as compact JSON, ready for GenerateVideo's prompt.",
+        "The prompt file's object as compact JSON ({\"caption\": ..., \"duration\": ...}), ready for GenerateVideo's "
+        "and Refine's prompt: they encode only the caption, and GenerateVideo takes the frame count from the duration "
+        "when use_caption_duration is on.",
         "Frames for the caption's duration at fps (4n+1); 0 when the file has no duration.",
         "The caption's duration in seconds (0 when absent).",
     )
@@ -100,4 +103,9 @@ class LoadLingbotPrompt:
         first = data[0] if isinstance(data, list) and data else data
         duration = first.get("duration") if isinstance(first, dict) else None
         num_frames = frames_for_duration(float(duration), fps) if duration is not None else 0
-        return (serialize_caption(data), num_frames, float(duration or 0.0))
+        text = serialize_caption(data)  # validates the file and gives the text the encoder will see
+        if isinstance(first, dict):
+            # Keep the duration with the caption: GenerateVideo's parse_prompt encodes exactly `text` and reads
+            # the duration from it (use_caption_duration), as when the file is pasted into its prompt box.
+            text = compact_json(first)
+        return (text, num_frames, float(duration or 0.0))

@@ -8,6 +8,7 @@ from collections import OrderedDict
 import comfy.model_management
 
 from ..lingbot_core import OFFLOAD_MODES, load_pipeline
+from ..lingbot_core.loading import check_package
 from .model_folders import list_packages, resolve_package
 from .progress import free_comfy_models
 
@@ -29,8 +30,7 @@ class PipelineCache:
     def __init__(self, capacity: int = 2):
         self.capacity = capacity
         self._items: "OrderedDict[tuple, object]" = OrderedDict()
-        self._generation = 0
-        self._tokens = {}
+        self._releases = {}  # key -> how many pipelines for that key were released so far
 
     def get(self, key):
         pipe = self._items.get(key)
@@ -39,20 +39,21 @@ class PipelineCache:
         return pipe
 
     def put(self, key, pipe) -> None:
-        self._generation += 1
         self._items[key] = pipe
-        self._tokens[key] = self._generation
 
     def make_room(self) -> None:
         while len(self._items) >= self.capacity:
             key, old = self._items.popitem(last=False)
-            self._tokens.pop(key, None)
+            self._releases[key] = self._releases.get(key, 0) + 1
             logger.info("LingBot-Video: releasing %s to make room for another pipeline.", key[0])
             old.release()
 
-    def token(self, key):
-        """Stable while the pipeline for ``key`` stays loaded; NaN (always 'changed') otherwise."""
-        return self._tokens.get(key, float("nan"))
+    def token(self, key) -> int:
+        """Changes exactly when a pipeline for ``key`` was released (so ComfyUI's cached loader
+        output, which may be that released object, is re-run). It must not change on the first
+        load or on a reload: IS_CHANGED is evaluated before the loader runs, so a token that
+        changed on load made the next identical prompt re-run the whole graph once."""
+        return self._releases.get(key, 0)
 
 
 PIPELINES = PipelineCache()
@@ -116,6 +117,7 @@ class LoadLingbotPipeline:
                 free_comfy_models()
                 pipe.set_offload(offload, device)
             return (pipe,)
+        check_package(key[0], transformer)  # a broken folder must not cost a working pipeline its place
         PIPELINES.make_room()
         free_comfy_models()
         dtypes = {"vae": vae_precision}
