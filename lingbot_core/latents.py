@@ -222,7 +222,10 @@ def vae_encode(vae, pixels: torch.Tensor, device: torch.device) -> Posterior:
     On CUDA the encode runs under bf16 autocast although the VAE is fp32, as the reference does.
     """
     x = (pixels.to(device=device, dtype=torch.float32) - 0.5) / 0.5
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda" and torch.cuda.is_available()):
+    autocast = device.type == "cuda" and torch.cuda.is_available()
+    if not autocast:  # no autocast off CUDA: a bf16/fp16 VAE needs inputs of its own dtype
+        x = x.to(next((p.dtype for p in vae.parameters()), torch.float32))
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         moments = vae.encode(x).latent_dist.parameters
     return Posterior(moments.detach().to("cpu"))
 
@@ -230,8 +233,10 @@ def vae_encode(vae, pixels: torch.Tensor, device: torch.device) -> Posterior:
 def vae_decode(vae, latents_vae: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Decode VAE-space latents (1, 16, T', h, w); returns (T, H, W, 3) float32 in [0, 1] on the CPU."""
     vae_dtype = next((p.dtype for p in vae.parameters()), torch.float32)
-    z = latents_vae.to(device=device, dtype=torch.float32).contiguous(memory_format=torch.channels_last_3d)
     autocast = device.type == "cuda" and vae_dtype in (torch.bfloat16, torch.float16)
+    # Without autocast (fp32 VAE, or any VAE off CUDA) the input must have the VAE's own dtype.
+    z = latents_vae.to(device=device, dtype=torch.float32 if autocast else vae_dtype)
+    z = z.contiguous(memory_format=torch.channels_last_3d)
     with torch.autocast("cuda", dtype=vae_dtype, enabled=autocast):
         video = vae.decode(z).sample
     video = ((video.float().clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0)

@@ -138,10 +138,23 @@ def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path
         if not (root / sub).is_dir():
             hint = " (only the MoE package ships a refiner)" if sub == "refiner" else ""
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
-    safetensors_files(root / transformer_subfolder, transformer_subfolder, "diffusion_pytorch_model")
-    safetensors_files(root / "text_encoder", "text_encoder", "model")
-    safetensors_files(root / "vae", "vae", "diffusion_pytorch_model")
+    for sub, stem in ((transformer_subfolder, "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
+        for path in safetensors_files(root / sub, sub, stem):
+            _check_readable(path, sub)
     return root
+
+
+def _check_readable(path: Path, component: str) -> None:
+    """Open a safetensors file's header only (no tensor is read); a truncated file fails here."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt", device="cpu"):
+            pass
+    except (SafetensorError, OSError) as e:
+        raise ModelPackageError(
+            f"{component}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again."
+        ) from None
 
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",

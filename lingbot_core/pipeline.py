@@ -34,6 +34,7 @@ from .text_conditioning import (
 logger = logging.getLogger("lingbot_core")
 
 PROMPT_CACHE_SIZE = 8
+MAX_TI2V_ASPECT = 200  # text_conditioning.smart_resize refuses images more elongated than this
 
 
 @dataclass
@@ -81,6 +82,14 @@ def _negative_text(negative_prompt: Optional[str], num_frames: int) -> str:
         except json.JSONDecodeError as e:
             raise ValueError(f"negative_prompt starts with '{stripped[0]}' but is not valid JSON ({e.msg} at line {e.lineno}).") from None
     return negative_prompt
+
+
+def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> None:
+    """Reject a bad prompt / negative / guidance up front, so no VAE encode runs for a run that will fail."""
+    _check_guidance(guidance_scale)
+    parse_prompt(prompt)
+    if negative_prompt is not None:
+        _negative_text(negative_prompt, num_frames)
 
 
 OUTPUT_TYPES = ("np", "pt", "latent")
@@ -193,6 +202,11 @@ class LingbotPipeline:
         """TI2V first frame: scale-to-cover + centre crop to ``height x width``, then VAE encode."""
         self._require_loaded()
         check_video_size(1, height, width)
+        if max(height, width) > MAX_TI2V_ASPECT * min(height, width):  # else the VLM refuses the crop later
+            raise ValueError(
+                f"image-to-video needs a video aspect ratio of at most {MAX_TI2V_ASPECT}:1 (the text encoder's image "
+                f"limit); width={width} x height={height} is {max(height, width) / min(height, width):.0f}:1."
+            )
         pixels = preprocess_first_frame(image, height, width)
         with self.offloader.stage():
             posterior = vae_encode(self.vae, pixels, self.offloader.execution_device("vae"))
@@ -251,6 +265,7 @@ class LingbotPipeline:
         steps, seed = _check_steps(steps), _check_seed(seed)
         sigmas = shifted_sigmas(steps, float(shift))
         _check_output_type(output_type)
+        _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
             condition = self.encode_image(image, height, width)
         if condition is not None and condition.size != (height, width):
@@ -294,6 +309,7 @@ class LingbotPipeline:
         base_h, base_w = int(video.shape[1]), int(video.shape[2])
 
         _check_output_type(output_type)
+        _check_text_inputs(prompt, negative_prompt, guidance_scale, video.shape[0])  # before the video is VAE-encoded
         indices = refiner_frame_indices(video.shape[0], fps, max_frames)
         lowres = resize_frames(video[indices].float().clamp(0, 1), height, width)
         tiling = dict(tiling=vae_tiling, tile_size=tile_size, tile_stride=tile_stride)

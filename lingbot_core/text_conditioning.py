@@ -88,6 +88,8 @@ def frames_for_duration(duration: float, fps: float) -> int:
         raise ValueError(f"duration must be a finite number >= 0 seconds, got {duration}.")
     if not math.isfinite(fps) or fps <= 0:
         raise ValueError(f"fps must be a positive number, got {fps}.")
+    if not math.isfinite(duration * fps):  # e.g. a caption "duration": 1e308 would overflow int()
+        raise ValueError(f"duration={duration} s at {fps} fps is too long; use a caption duration of a few seconds.")
     n = int(duration * fps)
     if n == 0:
         return 1
