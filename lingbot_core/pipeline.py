@@ -10,7 +10,6 @@ All randomness comes from one CPU ``torch.Generator`` per run, drawn in the refe
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
 from .scheduling import refiner_sigmas, shifted_sigmas
 from .text_conditioning import (
-    PromptEmbeds, compact_json, default_negative, encode_text, parse_prompt, template_crop_start, vlm_image,
+    PromptEmbeds, encode_text, parse_prompt, resolve_negative, template_crop_start, vlm_image,
 )
 
 logger = logging.getLogger("lingbot_core")
@@ -60,28 +59,15 @@ def _check_guidance(guidance_scale: float) -> float:
 
 
 def _check_steps(steps: int) -> int:
-    if not isinstance(steps, (int, np.integer)) or not (1 <= steps <= 1000):
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not (1 <= steps <= 1000):
         raise ValueError(f"steps={steps} is not allowed: use an integer from 1 to 1000.")
     return int(steps)
 
 
 def _check_seed(seed: int) -> int:
-    if not isinstance(seed, (int, np.integer)) or not (0 <= seed < 2**64):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not (0 <= seed < 2**64):
         raise ValueError(f"seed={seed} is not allowed: use an integer from 0 to 2^64-1.")
     return int(seed)
-
-
-def _negative_text(negative_prompt: Optional[str], num_frames: int) -> str:
-    """None -> the mode's default; JSON text -> compact JSON (as a negative file); else verbatim ("" kept)."""
-    if negative_prompt is None:
-        return default_negative(num_frames)
-    stripped = negative_prompt.strip()
-    if stripped[:1] in ("{", "["):
-        try:
-            return compact_json(json.loads(stripped))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"negative_prompt starts with '{stripped[0]}' but is not valid JSON ({e.msg} at line {e.lineno}).") from None
-    return negative_prompt
 
 
 def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> None:
@@ -89,7 +75,7 @@ def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> N
     _check_guidance(guidance_scale)
     parse_prompt(prompt)
     if negative_prompt is not None:
-        _negative_text(negative_prompt, num_frames)
+        resolve_negative(negative_prompt, num_frames)
 
 
 OUTPUT_TYPES = ("np", "pt", "latent")
@@ -178,7 +164,7 @@ class LingbotPipeline:
         self._require_loaded()
         text = parse_prompt(prompt).text
         do_cfg = _check_guidance(guidance_scale) > 1.0
-        neg_text = None if (not do_cfg or null_negative) else _negative_text(negative_prompt, num_frames)
+        neg_text = None if (not do_cfg or null_negative) else resolve_negative(negative_prompt, num_frames)
         key = (text, neg_text, do_cfg, null_negative, condition.fingerprint() if condition is not None else None)
         if key in self._prompt_cache:
             self._prompt_cache.move_to_end(key)

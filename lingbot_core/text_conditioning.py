@@ -138,6 +138,26 @@ def default_negative(num_frames: int) -> str:
     return DEFAULT_NEGATIVE_IMAGE if num_frames == 1 else DEFAULT_NEGATIVE_VIDEO
 
 
+def resolve_negative(negative_prompt: Optional[str], num_frames: int) -> str:
+    """The negative text to encode.
+
+    None -> the mode's default (serialised with Python's default separators, as the reference's
+    shipped files). JSON text -> compact JSON (as the reference's negative-prompt files). Anything
+    else verbatim; an empty string is kept and encodes an empty user turn (distinct from None).
+    """
+    if negative_prompt is None:
+        return default_negative(num_frames)
+    stripped = negative_prompt.strip()
+    if stripped[:1] in ("{", "["):
+        try:
+            return compact_json(json.loads(stripped))
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"negative_prompt starts with '{stripped[0]}' but is not valid JSON ({e.msg} at line {e.lineno})."
+            ) from None
+    return negative_prompt
+
+
 # ----------------------------------------------------------------------------------------------
 # VLM image
 # ----------------------------------------------------------------------------------------------

@@ -18,7 +18,6 @@ Repetition soak (in the default suite, marked ``soak``): 20 load / generate / sw
 from __future__ import annotations
 
 import gc
-import math
 import os
 import pickle
 import random
