@@ -34,7 +34,6 @@ import json
 import os
 import shutil
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -47,6 +46,8 @@ REPO = Path(__file__).resolve().parents[1]
 for _p in (REPO, REPO / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
+
+from comfy_host import ws_frame, ws_read_frame  # noqa: E402  (stdlib-only websocket framing)
 
 DEFAULT_WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
 DEFAULT_OUT = REPO / "docs" / "images" / "workflow_ti2v_refine.png"
@@ -121,31 +122,12 @@ class CDP:
         return out
 
     def _send_frame(self, opcode: int, payload: bytes) -> None:
-        head = bytes([0x80 | opcode])
-        n = len(payload)
-        if n < 126:
-            head += bytes([0x80 | n])
-        elif n < 65536:
-            head += bytes([0x80 | 126]) + struct.pack("!H", n)
-        else:
-            head += bytes([0x80 | 127]) + struct.pack("!Q", n)
-        mask = os.urandom(4)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        self.sock.sendall(head + mask + masked)
+        self.sock.sendall(ws_frame(opcode, payload))
 
     def _recv_message(self) -> dict:
         parts: list[bytes] = []
         while True:
-            b0, b1 = self._recv_exact(2)
-            opcode, n = b0 & 0x0F, b1 & 0x7F
-            if n == 126:
-                n = struct.unpack("!H", self._recv_exact(2))[0]
-            elif n == 127:
-                n = struct.unpack("!Q", self._recv_exact(8))[0]
-            mask = self._recv_exact(4) if b1 & 0x80 else None
-            data = self._recv_exact(n)
-            if mask:
-                data = bytes(b ^ mask[i % 4] for i, b in enumerate(data))
+            opcode, fin, data = ws_read_frame(self._recv_exact)
             if opcode == 0x8:
                 raise ConnectionError("DevTools closed the websocket")
             if opcode == 0x9:
@@ -153,7 +135,7 @@ class CDP:
                 continue
             if opcode in (0x0, 0x1, 0x2):
                 parts.append(data)
-                if b0 & 0x80:
+                if fin:
                     return json.loads(b"".join(parts))
 
     def call(self, method: str, **params):

@@ -167,6 +167,36 @@ _BINARY_EVENT_NAMES = {1: "preview_image", 2: "unencoded_preview_image", 3: "tex
                        4: "preview_image_with_metadata"}
 
 
+def ws_frame(opcode: int, payload: bytes) -> bytes:
+    """A masked client-to-server websocket frame (RFC 6455)."""
+    mask = os.urandom(4)
+    n = len(payload)
+    header = bytes([0x80 | opcode])
+    if n < 126:
+        header += bytes([0x80 | n])
+    elif n < 1 << 16:
+        header += bytes([0x80 | 126]) + struct.pack(">H", n)
+    else:
+        header += bytes([0x80 | 127]) + struct.pack(">Q", n)
+    return header + mask + bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+
+
+def ws_read_frame(recv_exact) -> tuple[int, bool, bytes]:
+    """Read one websocket frame through ``recv_exact(n)``; returns (opcode, fin, payload)."""
+    b0, b1 = recv_exact(2)
+    fin, opcode = bool(b0 & 0x80), b0 & 0x0F
+    n = b1 & 0x7F
+    if n == 126:
+        n = struct.unpack(">H", recv_exact(2))[0]
+    elif n == 127:
+        n = struct.unpack(">Q", recv_exact(8))[0]
+    mask = recv_exact(4) if b1 & 0x80 else None
+    payload = recv_exact(n)
+    if mask:
+        payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
+    return opcode, fin, payload
+
+
 class _WsListener(threading.Thread):
     """Collects every message ComfyUI sends to one ``clientId``.
 
@@ -232,19 +262,8 @@ class _WsListener(threading.Thread):
     # -- framing ----------------------------------------------------------------------------
     def _send(self, opcode: int, payload: bytes, sock: socket.socket | None = None) -> None:
         sock = sock or self._sock
-        if sock is None:
-            return
-        mask = os.urandom(4)
-        n = len(payload)
-        header = bytes([0x80 | opcode])
-        if n < 126:
-            header += bytes([0x80 | n])
-        elif n < 1 << 16:
-            header += bytes([0x80 | 126]) + struct.pack(">H", n)
-        else:
-            header += bytes([0x80 | 127]) + struct.pack(">Q", n)
-        masked = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        sock.sendall(header + mask + masked)
+        if sock is not None:
+            sock.sendall(ws_frame(opcode, payload))
 
     def _recv_exact(self, n: int) -> bytes:
         while len(self._buf) < n:
@@ -259,18 +278,7 @@ class _WsListener(threading.Thread):
         return out
 
     def _read_frame(self) -> tuple[int, bool, bytes]:
-        b0, b1 = self._recv_exact(2)
-        fin, opcode = bool(b0 & 0x80), b0 & 0x0F
-        n = b1 & 0x7F
-        if n == 126:
-            n = struct.unpack(">H", self._recv_exact(2))[0]
-        elif n == 127:
-            n = struct.unpack(">Q", self._recv_exact(8))[0]
-        mask = self._recv_exact(4) if b1 & 0x80 else None
-        payload = self._recv_exact(n)
-        if mask:
-            payload = bytes(b ^ mask[i % 4] for i, b in enumerate(payload))
-        return opcode, fin, payload
+        return ws_read_frame(self._recv_exact)
 
     def run(self) -> None:
         message_opcode, parts = None, []
