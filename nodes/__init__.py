@@ -1,7 +1,7 @@
 """ComfyUI adapters onto lingbot_core: the node classes and their registration."""
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
-from .loader import LoadLingbotPipeline
+from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .sampling import GenerateVideo, Refine
 
 NODE_CLASS_MAPPINGS = {
@@ -10,6 +10,7 @@ NODE_CLASS_MAPPINGS = {
     "GenerateVideo": GenerateVideo,
     "Refine": Refine,
     "LoadLingbotPrompt": LoadLingbotPrompt,
+    "UnloadLingbotPipeline": UnloadLingbotPipeline,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -18,4 +19,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "GenerateVideo": "LingBot-Video Generate",
     "Refine": "LingBot-Video Refine",
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
+    "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
 }

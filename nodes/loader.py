@@ -43,10 +43,22 @@ class PipelineCache:
 
     def make_room(self) -> None:
         while len(self._items) >= self.capacity:
-            key, old = self._items.popitem(last=False)
-            self._releases[key] = self._releases.get(key, 0) + 1
+            key = next(iter(self._items))
             logger.info("LingBot-Video: releasing %s to make room for another pipeline.", key[0])
-            old.release()
+            self._release(key)
+
+    def release(self, pipe) -> bool:
+        """Release ``pipe`` if this cache holds it (the Unload node); False when it was already gone."""
+        for key, held in list(self._items.items()):
+            if held is pipe:
+                self._release(key)
+                return True
+        return False
+
+    def _release(self, key) -> None:
+        pipe = self._items.pop(key)
+        self._releases[key] = self._releases.get(key, 0) + 1
+        pipe.release()
 
     def token(self, key) -> int:
         """Changes exactly when a pipeline for ``key`` was released (so ComfyUI's cached loader
@@ -128,3 +140,31 @@ class LoadLingbotPipeline:
         pipe = load_pipeline(key[0], transformer_subfolder=transformer, offload=offload, device=device, dtypes=dtypes)
         PIPELINES.put(key, pipe)
         return (pipe,)
+
+
+class UnloadLingbotPipeline:
+    DESCRIPTION = (
+        "Frees a pipeline (hooks removed, weights released from GPU and RAM) once `frames` exist, and passes "
+        "the frames on. Put it between GenerateVideo and Refine to drop the base model before the refiner "
+        "loads, as the reference recommends. The loader reloads the model the next time it is needed."
+    )
+    CATEGORY = "LingBot-Video"
+    FUNCTION = "unload"
+    RETURN_TYPES = ("IMAGE",)
+    RETURN_NAMES = ("frames",)
+    OUTPUT_TOOLTIPS = ("The input frames, unchanged; connect them onward so this node runs before the next stage.",)
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "pipe": ("LINGBOT_PIPE", {"tooltip": "The pipeline to free (e.g. the base pipeline after GenerateVideo)."}),
+                "frames": ("IMAGE", {"tooltip": "Frames produced with that pipeline; the unload waits for them."}),
+            }
+        }
+
+    def unload(self, pipe, frames):
+        if not PIPELINES.release(pipe):
+            logger.info("LingBot-Video: the pipeline to unload was already released.")
+        comfy.model_management.soft_empty_cache()
+        return (frames,)

@@ -501,3 +501,18 @@ def test_fuzz_widget_values(server, baseline):
     assert counts["submissions"] >= min(FUZZ_N, 20), counts
     assert server.running
     assert_still_good(server, baseline)
+
+
+def test_unload_node_frees_the_pipeline_and_the_next_run_reloads(server, baseline):
+    """Unload between stages (as before Refine): same frames, and the next run reloads instead of
+    receiving the released object from ComfyUI's cache."""
+    graph = t2v()
+    graph["5"] = {"class_type": "UnloadLingbotPipeline", "inputs": {"pipe": ["1", 0], "frames": ["2", 0]}}
+    graph["3"] = save("5")
+    entry, frames = run_ok(server, graph)
+    np.testing.assert_array_equal(frames, baseline)
+    order = executed_nodes(entry)
+    assert order.index("5") > order.index("2")
+    entry, frames = run_ok(server, graph | {"3": save("5")})
+    assert "1" in executed_nodes(entry), "the loader must run again after its pipeline was unloaded"
+    np.testing.assert_array_equal(frames, baseline)
