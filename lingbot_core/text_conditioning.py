@@ -101,6 +101,7 @@ class ParsedPrompt:
     text: str  # what goes into the template
     duration: Optional[float] = None  # seconds, from a structured caption file
     structured: bool = False
+    source: Optional[dict] = None  # the caption file's object (its first one, for a list)
 
 
 def parse_prompt(prompt: str) -> ParsedPrompt:
@@ -131,7 +132,8 @@ def parse_prompt(prompt: str) -> ParsedPrompt:
             duration = float(first["duration"])
         except (TypeError, ValueError):
             raise ValueError(f"prompt JSON: duration must be a number of seconds, got {first['duration']!r}.") from None
-    return ParsedPrompt(serialize_caption(data), duration, structured=True)
+    return ParsedPrompt(serialize_caption(data), duration, structured=True,
+                        source=first if isinstance(first, dict) else None)
 
 
 def default_negative(num_frames: int) -> str:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
 import folder_paths
 
-from ..lingbot_core import frames_for_duration, serialize_caption
+from ..lingbot_core import frames_for_duration, parse_prompt
 from ..lingbot_core.text_conditioning import compact_json
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -94,18 +93,16 @@ class LoadLingbotPrompt:
         return os.path.join(folder_paths.get_input_directory(), prompt_file)
 
     def load(self, prompt_file, fps):
-        path = self._path(prompt_file)
+        with open(self._path(prompt_file), "r", encoding="utf-8") as f:
+            raw = f.read()
         try:
-            with open(path, "r", encoding="utf-8") as f:
-                data = json.load(f)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{prompt_file} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}).") from None
-        first = data[0] if isinstance(data, list) and data else data
-        duration = first.get("duration") if isinstance(first, dict) else None
-        num_frames = frames_for_duration(float(duration), fps) if duration is not None else 0
-        text = serialize_caption(data)  # validates the file and gives the text the encoder will see
-        if isinstance(first, dict):
-            # Keep the duration with the caption: GenerateVideo's parse_prompt encodes exactly `text` and reads
-            # the duration from it (use_caption_duration), as when the file is pasted into its prompt box.
-            text = compact_json(first)
-        return (text, num_frames, float(duration or 0.0))
+            parsed = parse_prompt(raw)
+        except ValueError as e:
+            raise ValueError(f"{prompt_file}: {e}") from None
+        if not parsed.structured:
+            raise ValueError(f"{prompt_file} is not valid JSON: a prompt file holds {{\"caption\": ..., \"duration\": seconds}}.")
+        num_frames = frames_for_duration(parsed.duration, fps) if parsed.duration is not None else 0
+        # Keep the duration with the caption: GenerateVideo's parse_prompt encodes exactly the caption and
+        # reads the duration from it (use_caption_duration), as when the file is pasted into its prompt box.
+        text = compact_json(parsed.source) if parsed.source is not None else parsed.text
+        return (text, num_frames, float(parsed.duration or 0.0))

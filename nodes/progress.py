@@ -8,9 +8,12 @@ import latent_preview
 from comfy import latent_formats
 
 
-def step_callback(total: int, node_id=None):
+def step_callback(node_id=None, total: int = 1):
     """A ``callback(i, total, x0)`` for ``lingbot_core``: advances the node's progress bar (which is
-    also ComfyUI's cancel point) and sends a latent2rgb / TAE preview when previews are on."""
+    also ComfyUI's cancel point) and sends a latent2rgb / TAE preview when previews are on.
+
+    The bar takes its length from the core's callback, so nodes need not recompute the schedule.
+    """
     bar = comfy.utils.ProgressBar(total, node_id=node_id)
     previewer = latent_preview.get_previewer(comfy.model_management.get_torch_device(), latent_formats.Wan21())
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from ..lingbot_core import frames_for_duration, parse_prompt
-from ..lingbot_core.scheduling import refiner_sigmas
 from .progress import free_comfy_models, step_callback
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
@@ -63,7 +62,7 @@ class GenerateVideo:
         latents = pipe.generate(
             prompt, negative_prompt=negative_prompt or None, condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
-            output_type="latent", callback=step_callback(steps, unique_id),
+            output_type="latent", callback=step_callback(unique_id, steps),
         )
         return (pipe.decode(latents), _latent_output(pipe, latents))
 
@@ -108,11 +107,10 @@ class Refine:
     def refine(self, pipe, frames, prompt, negative_prompt, width, height, steps, guidance_scale, shift, t_thresh,
                tail_steps, seed, vae_tiling, first_frame=None, fps=24, unique_id=None):
         free_comfy_models()
-        total = len(refiner_sigmas(steps, shift, t_thresh, tail_steps))
         out = pipe.refine(
             frames, prompt, negative_prompt=negative_prompt or None,
             first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
             guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
-            fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(total, unique_id),
+            fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id),
         )
         return (out,)
