@@ -6,6 +6,7 @@ while every porting bug tried moved them by 2e-3 or more.
 """
 
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -52,6 +53,13 @@ def pipe():
     p.release()
 
 
+class DitCall(NamedTuple):
+    latent: torch.Tensor  # the DiT's input latent (DiT space)
+    timestep: torch.Tensor
+    text_len: int
+    velocity: torch.Tensor  # the raw DiT output
+
+
 @pytest.fixture(scope="module")
 def scenario_runs(pipe):
     """Each scenario generated once with the reference's settings; the DiT's raw inputs and outputs
@@ -62,13 +70,13 @@ def scenario_runs(pipe):
         if name not in cache:
             calls = []
             hook = pipe.transformer.register_forward_hook(
-                lambda m, args, out: calls.append((args[0].clone(), args[1].clone(), args[2].shape[1], out.clone())))
+                lambda m, args, out: calls.append(DitCall(args[0].clone(), args[1].clone(), args[2].shape[1], out.clone())))
             try:
                 image = first_frame() if name == "ti2v" else None
                 latent = pipe.generate(PROMPT, image=image, num_frames=SCENARIOS[name], output_type="latent", **RUN)
             finally:
                 hook.remove()
-            frames = pipe.decode(latent)
+            frames = pipe.decode(latent)  # what generate(output_type="np") returns for this latent
             cache[name] = dict(latent=latent, frames=frames, calls=calls)
         return cache[name]
 
@@ -92,24 +100,24 @@ def test_scenario_dit_inputs_and_velocities(scenario_runs, name):
     ref, calls = vectors(name), scenario_runs(name)["calls"]
     assert len(calls) == 2 * len(ref["dit_timesteps"])  # sequential CFG: cond then uncond per step
     cond, uncond = calls[0::2], calls[1::2]
-    assert_matches(torch.cat([c[0] for c in cond]), ref["step_latents"], f"{name} step_latents")
+    assert_matches(torch.cat([c.latent for c in cond]), ref["step_latents"], f"{name} step_latents")
     for c, u in zip(cond, uncond):  # both passes of a step see the same latent and timestep
-        assert torch.equal(c[0], u[0]) and torch.equal(c[1], u[1])
-    assert_matches(torch.cat([c[1] for c in cond]), ref["dit_timesteps"], f"{name} dit_timesteps")
-    assert_matches(cond[0][3], ref["v_cond_first"], f"{name} v_cond_first")
-    assert_matches(uncond[0][3], ref["v_uncond_first"], f"{name} v_uncond_first")
-    assert_matches(cond[-1][3], ref["v_cond_last"], f"{name} v_cond_last")
-    assert_matches(uncond[-1][3], ref["v_uncond_last"], f"{name} v_uncond_last")
+        assert torch.equal(c.latent, u.latent) and torch.equal(c.timestep, u.timestep)
+    assert_matches(torch.cat([c.timestep for c in cond]), ref["dit_timesteps"], f"{name} dit_timesteps")
+    assert_matches(cond[0].velocity, ref["v_cond_first"], f"{name} v_cond_first")
+    assert_matches(uncond[0].velocity, ref["v_uncond_first"], f"{name} v_uncond_first")
+    assert_matches(cond[-1].velocity, ref["v_cond_last"], f"{name} v_cond_last")
+    assert_matches(uncond[-1].velocity, ref["v_uncond_last"], f"{name} v_uncond_last")
     # Text lengths fed to the DiT: the kept (mask) lengths of prompt and negative.
     assert ref["prompt_mask"].all() and ref["negative_prompt_mask"].all()
-    assert {c[2] for c in cond} == {ref["prompt_mask"].shape[1]}
-    assert {u[2] for u in uncond} == {ref["negative_prompt_mask"].shape[1]}
+    assert {c.text_len for c in cond} == {ref["prompt_mask"].shape[1]}
+    assert {u.text_len for u in uncond} == {ref["negative_prompt_mask"].shape[1]}
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_noise(scenario_runs, name):
     """The first DiT input is the initial draw (in TI2V frame 0 is replaced by the clean first frame)."""
-    ref, first = vectors(name), scenario_runs(name)["calls"][0][0]
+    ref, first = vectors(name), scenario_runs(name)["calls"][0].latent
     keep = slice(1, None) if name == "ti2v" else slice(None)
     assert_matches(first[:, :, keep], ref["noise"][:, :, keep], f"{name} noise")
 
@@ -127,14 +135,14 @@ def test_ti2v_first_frame_conditioning(pipe, scenario_runs):
     assert_matches(condition.pixels, ref["pixel"], "ti2v pixel")
     mean, logvar = condition.posterior.moments.chunk(2, dim=1)
     assert_matches(mean, ref["image_posterior_mean"], "ti2v image_posterior_mean")
-    cond_latent = scenario_runs("ti2v")["calls"][0][0][:, :, :1]
+    cond_latent = scenario_runs("ti2v")["calls"][0].latent[:, :, :1]
     assert_matches(cond_latent, ref["cond_latent"], "ti2v cond_latent")
     # The draw behind cond_latent, recovered from the pack's own latent: eps = (z_vae - mean) / std.
     eps = (pipe.normalizer.to_vae(cond_latent) - mean) / torch.exp(0.5 * logvar)
     assert_matches(eps, ref["posterior_eps"], "ti2v posterior_eps")
     # The clean frame stays pinned: every step's DiT input carries it.
-    for latent, *_ in scenario_runs("ti2v")["calls"]:
-        assert torch.equal(latent[:, :, :1], cond_latent)
+    for call in scenario_runs("ti2v")["calls"]:
+        assert torch.equal(call.latent[:, :, :1], cond_latent)
 
 
 # ----------------------------------------------------------------------------------------------
