@@ -71,10 +71,6 @@ def latent_shape(num_frames: int, height: int, width: int, channels: int = 16) -
     return (1, channels, (num_frames - 1) // TEMPORAL_COMPRESSION + 1, height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION)
 
 
-def pixel_frames(latent_frames: int) -> int:
-    return (latent_frames - 1) * TEMPORAL_COMPRESSION + 1
-
-
 class LatentNormalizer:
     """VAE space <-> DiT space with the per-channel mean/std from ``vae/config.json``."""
 

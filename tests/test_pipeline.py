@@ -8,6 +8,7 @@ import torch
 from lingbot_core import load_pipeline
 from lingbot_core.latents import resize_frames
 from lingbot_core.refiner import first_frame_pixels, refiner_frame_indices
+from lingbot_core.scheduling import refiner_sigmas, timesteps_from_sigmas
 
 H, W, F = 64, 96, 5
 BASE = dict(height=H, width=W, num_frames=F, steps=2)
@@ -334,13 +335,21 @@ def test_callback_exception_propagates_and_pipeline_recovers(dense):
     np.testing.assert_array_equal(before, after)
 
 
-@pytest.mark.parametrize("steps, t_thresh", [(8, 0.9), (40, 0.8479)])
-def test_refine_t_thresh_sharing_first_integer_timestep(refiner, steps, t_thresh):
+@pytest.mark.parametrize("steps, t_thresh, first_timesteps, evaluations",
+                         [(8, 0.9, [900, 899], 9), (40, 0.8479, [847, 847], 29)])
+def test_refine_t_thresh_sharing_first_integer_timestep(refiner, steps, t_thresh, first_timesteps, evaluations):
+    """t_thresh right above a grid point (0.8479 vs 0.847457: both 847) must still start at t_thresh and
+    visit every sigma once; diffusers alone would begin at the second 847 and run one step short."""
     frames = np.random.default_rng(0).random((5, H, W, 3), dtype=np.float32)
     kw = {k: v for k, v in REFINE.items() if k != "steps"}
+    fed = []
+    hook = refiner.transformer.register_forward_pre_hook(lambda m, a: fed.append(a[1].item()))
     try:
         out = refiner.refine(frames, "a cat", steps=steps, t_thresh=t_thresh, guidance_scale=1.0, seed=0, **kw)
-    except ValueError as e:  # a clear refusal naming the parameter would be acceptable too
-        assert "t_thresh" in str(e)
-    else:
-        _check_frames(out, (F, 64, 128, 3))
+    finally:
+        hook.remove()
+    _check_frames(out, (F, 64, 128, 3))
+    sigmas = refiner_sigmas(steps, 3.0, t_thresh, 2)
+    assert len(fed) == len(sigmas) == evaluations  # one DiT call per sigma (no CFG)
+    assert fed[:2] == first_timesteps
+    assert fed == timesteps_from_sigmas(sigmas).tolist()

@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from lingbot_core.fixtures import dit_config, dit_state_dict
 from lingbot_core.transformer import (
-    LingBotVideoTransformer3DModel, MoEFeedForward, apply_rope, is_fp32_island, patchify, rope_frequencies,
-    rope_position_ids, route_tokens, timestep_projection, unpatchify,
+    LingBotVideoTransformer3DModel, MoEFeedForward, SwiGLU, TransformerBlock, apply_rope, is_fp32_island, patchify,
+    rope_frequencies, rope_position_ids, route_tokens, timestep_projection, unpatchify,
 )
 
 MOE_FULL = dict(
@@ -403,3 +403,87 @@ def test_moe_ffn_matches_per_token_reference():
     # Experts use bf16 operands even in an fp32 model: fp32 experts would be measurably different.
     ref32, _ = _moe_reference(ffn, f, torch.float32)
     assert (out - ref32).abs().max() > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------
+# One block against a per-token reference (§5.5, §5.7)
+# ---------------------------------------------------------------------------------------------
+
+
+def _block_reference(block, x, temb6, grid, text_len, axes_dims, theta, eps=1e-6):
+    """Model doc §5.7 token by token: plain vector math, explicit per-pair RoPE (§5.5) and a softmax
+    loop per query, reading only the block's weights."""
+    _, seq, dim = x.shape
+    heads = block.attn.heads
+    hd = dim // heads
+    mod = temb6[0] + block.scale_shift_table[0]
+    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = (mod[i * dim:(i + 1) * dim] for i in range(6))
+
+    def rms(z, norm):
+        return norm.weight * z / torch.sqrt((z * z).mean() + eps)
+
+    def lin(layer, z):
+        return layer.weight @ z + (0 if layer.bias is None else layer.bias)
+
+    gt, gh, gw = grid
+    positions = [(text_len + 1 + f, h, w) for f in range(gt) for h in range(gh) for w in range(gw)]
+    positions += [(j + 1, 0, 0) for j in range(text_len)]
+
+    def angles(pos):
+        out = []
+        for axis, d in enumerate(axes_dims):
+            out += [float(torch.tensor(pos[axis] / theta ** (2 * k / d), dtype=torch.float64).float())
+                    for k in range(d // 2)]
+        return out
+
+    def rotate(vec, ang):
+        out = torch.empty_like(vec)
+        for j, a in enumerate(ang):
+            c, s = math.cos(a), math.sin(a)
+            out[2 * j] = vec[2 * j] * c - vec[2 * j + 1] * s
+            out[2 * j + 1] = vec[2 * j] * s + vec[2 * j + 1] * c
+        return out
+
+    att = block.attn
+    q, k, v = [], [], []
+    for i in range(seq):
+        a = rms(x[0, i], block.norm1) * (1 + scale_a) + shift_a
+        ang = angles(positions[i])
+        qi, ki, vi = lin(att.to_q, a), lin(att.to_k, a), lin(att.to_v, a)
+        q.append([rotate(rms(qi[h * hd:(h + 1) * hd], att.norm_q), ang) for h in range(heads)])
+        k.append([rotate(rms(ki[h * hd:(h + 1) * hd], att.norm_k), ang) for h in range(heads)])
+        v.append([vi[h * hd:(h + 1) * hd] for h in range(heads)])
+    out = torch.empty_like(x)
+    ffn = block.ffn
+    for i in range(seq):
+        o = []
+        for h in range(heads):
+            scores = torch.stack([q[i][h] @ k[j][h] for j in range(seq)]) / math.sqrt(hd)
+            p = torch.exp(scores - scores.max())
+            p = p / p.sum()
+            o.append(sum(p[j] * v[j][h] for j in range(seq)))
+        o = lin(att.to_out, torch.cat(o))
+        x1 = x[0, i] + torch.tanh(gate_a) * rms(o, block.norm_post_attn)
+        f = rms(x1, block.norm2) * (1 + scale_f) + shift_f
+        y = lin(ffn.down_proj, F.silu(lin(ffn.gate_proj, f)) * lin(ffn.up_proj, f))
+        out[0, i] = x1 + torch.tanh(gate_f) * rms(y, block.norm_post_ffn)
+    return out
+
+
+def test_dense_block_matches_per_token_reference():
+    dim, heads, axes_dims, theta = 64, 2, (8, 12, 12), 256.0
+    block = TransformerBlock(dim, heads, 1e-6, qkv_bias=False, out_bias=True, ffn=SwiGLU(dim, 96))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            base = 1.0 if "norm" in name else 0.0  # RMSNorm weights around 1, everything else around 0
+            p.copy_(base + torch.randn(p.shape, generator=g) * 0.3)
+    grid, text_len = (2, 2, 3), 5
+    x = torch.randn(1, 12 + text_len, dim, generator=g)
+    temb6 = torch.randn(1, 6 * dim, generator=g) * 0.5
+    freqs = rope_frequencies(rope_position_ids(grid, text_len), axes_dims, theta)
+    with torch.no_grad():
+        out = block(x, temb6, freqs, torch.float32)
+        ref = _block_reference(block, x, temb6, grid, text_len, axes_dims, theta)
+    assert (out - x).abs().max() > 0.1  # the block really changes its input
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
