@@ -23,6 +23,7 @@ Scenarios:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -133,9 +134,7 @@ def _key(components) -> str:
 class Observer:
     """Residency tracker + fake accelerator around every pipeline the loader node returns."""
 
-    def __init__(self, comfy, packages_real):
-        import torch  # noqa: F401
-
+    def __init__(self, comfy, package_dir):
         from fake_accelerator import point_hooks_at, recording_transfers
         from residency import ResidencyTracker
 
@@ -157,8 +156,10 @@ class Observer:
 
         safetensors.safe_open = counting_safe_open
 
-        def audit(event, args):
-            if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]).startswith(packages_real):
+        inside = os.path.realpath(package_dir) + os.sep
+
+        def audit(event, args):  # Python-level opens (configs, tokenizer files) of anything in the package
+            if event == "open" and isinstance(args[0], str) and os.path.realpath(args[0]).startswith(inside):
                 self.file_opens += 1
 
         sys.addaudithook(audit)
@@ -186,41 +187,45 @@ class Observer:
         return None if self.tracker is None else _key(self.tracker.current())
 
     def on_message(self, event, data):
+        """A node starts (``executing``) or the prompt ends: note where the records stand."""
         if event in ("executing", "execution_success", "execution_error", "execution_interrupted"):
-            n_snap = 0 if self.tracker is None else len(self.tracker.snapshots)
-            self.marks.append((event, data.get("node"), self.current(), n_snap, len(self.requests), id(self.tracker)))
+            self.marks.append({"event": event, "node": data.get("node"), "resident": self.current(),
+                               "tracker": self.tracker,
+                               "snapshots": 0 if self.tracker is None else len(self.tracker.snapshots),
+                               "requests": len(self.requests)})
 
     def segments(self, start):
         """Per executed node since mark ``start``: probe snapshots, placements, resident set after it."""
         marks = self.marks[start:]
         out = {}
-        for (event, node, _, snap0, req0, tr0), (_, _, after, snap1, req1, tr1) in zip(marks, marks[1:]):
-            if event != "executing":
+        for begin, end in zip(marks, marks[1:]):
+            if begin["event"] != "executing":
                 continue
             snaps = Counter()
-            if self.tracker is not None and tr0 == id(self.tracker):
-                snaps.update(f"{probe}:{_key(s)}" for probe, s in self.tracker.snapshots[snap0:snap1])
+            if begin["tracker"] is not None and begin["tracker"] is end["tracker"]:
+                snaps.update(f"{probe}:{_key(s)}" for probe, s in begin["tracker"].snapshots[begin["snapshots"]:end["snapshots"]])
             placements = {}
-            for mod, fn, device in self.requests[req0:req1]:
+            for mod, fn, device in self.requests[begin["requests"]:end["requests"]]:
                 if "lingbot_core" in mod.split(".") and device is not None and device.type != "cpu":
                     placements.setdefault(fn, set()).add(str(device))
-            out[node] = {"snapshots": dict(snaps), "placements": {k: sorted(v) for k, v in placements.items()},
-                         "resident_after": after}
+            out[begin["node"]] = {"snapshots": dict(snaps), "placements": {k: sorted(v) for k, v in placements.items()},
+                                  "resident_after": end["resident"]}
         return out
 
 
 def _frames(comfy, result, save_ids):
+    """``{save node: [[width, height], ...]}`` and ``{save node: [sha1 of the RGB pixels, ...]}``."""
     from PIL import Image
 
-    frames = {}
+    frames, digests = {}, {}
     for sid in save_ids:
         images = (result["outputs"].get(sid) or {}).get("images", [])
-        sizes = []
+        frames[sid], digests[sid] = [], []
         for im in images:
             with Image.open(comfy.output_dir / im.get("subfolder", "") / im["filename"]) as f:
-                sizes.append(list(f.size))
-        frames[sid] = sizes
-    return frames
+                frames[sid].append(list(f.size))
+                digests[sid].append(hashlib.sha1(f.convert("RGB").tobytes()).hexdigest())
+    return frames, digests
 
 
 def _run(comfy, observer, prompt, save_ids=()):
@@ -230,7 +235,7 @@ def _run(comfy, observer, prompt, save_ids=()):
     err = result["error"]
     record["error"] = None if err is None else {k: err.get(k) for k in ("node_id", "node_type", "exception_type", "exception_message")}
     record["nodes"] = observer.segments(start)
-    record["frames"] = _frames(comfy, result, save_ids) if result["status"] == "success" else {}
+    record["frames"], record["digests"] = _frames(comfy, result, save_ids) if result["status"] == "success" else ({}, {})
     record["class_types"] = {nid: node["class_type"] for nid, node in prompt.items()}
     return record
 
@@ -244,7 +249,7 @@ def main(out_path, base, package):
     from comfy_inprocess import InProcessComfy
 
     comfy = InProcessComfy(base, {MODEL: package})
-    observer = Observer(comfy, os.path.realpath(package))
+    observer = Observer(comfy, package)
     obs = {"init_s": round(time.time() - t0, 2), "links": {}, "encode": {}}
 
     # Before any pipeline exists, so that any weight access would be the refused value's.

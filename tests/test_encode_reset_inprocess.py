@@ -50,6 +50,16 @@ def test_graph_succeeds_and_saves_frames(runs, mode, graph):
         assert run["frames"][nid] == [[W, H]] * FRAMES, nid
 
 
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_same_frames_in_model_and_sequential_offload(runs, graph):
+    """Same graph, same seeds: the offload mode (and the instrumentation) changes no pixel."""
+    digests = {mode: runs[mode][graph]["digests"] for mode in MODES}
+    assert all(len(d) == 2 and all(len(v) == FRAMES for v in d.values()) for d in digests.values()), digests
+    assert digests["model"] == digests["sequential"]
+    first, second = digests["model"].values()
+    assert first != second  # the T2V and TI2V videos differ
+
+
 @pytest.mark.parametrize("mode,graph", CASES)
 def test_encode_runs_after_a_complete_generate(runs, mode, graph):
     run = runs[mode][graph]
