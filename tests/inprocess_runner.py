@@ -14,7 +14,7 @@ resident set when the node finished.
 Scenarios:
 - ``links``: LoadLingbotPipeline's ``model`` fed through a link with ``../..``, an absolute path (a real
   package) and an unknown name, from core ``PrimitiveString`` and from an any-typed string node
-  (the ``AnyType`` pattern of many custom-node packs: a type that compares equal to every input type);
+  (ComfyUI's ``IO.ANY``, ``"*"``, which many custom-node packs output and which matches every input type);
   then a valid prompt. Counts safetensors opens and file opens under the package meanwhile.
 - ``encode``: in ``model`` then ``sequential`` offload, graph ``a`` (independent T2V and TI2V branches;
   ComfyUI 0.3.75 runs the T2V branch first) and graph ``b`` (GenerateVideo -> its frames ->
@@ -37,16 +37,13 @@ H, W, FRAMES = 32, 48, 5
 MODES = ("model", "sequential")
 LINK_VALUES = {"dotdot": "../..", "absolute": None, "unknown": "no-such-package"}  # absolute: the package path
 
-ANY_STRING_NODE = '''"""Test-only node: a string output typed like the "any" outputs of many custom-node packs."""
+ANY_STRING_NODE = '''"""Test-only node: a string through ComfyUI's own "any" output type (IO.ANY), as custom-node packs use it."""
 
-
-class AnyType(str):
-    def __ne__(self, other):  # equal to every input type, so ComfyUI's link type check passes
-        return False
+from comfy.comfy_types import IO
 
 
 class AnyString:
-    RETURN_TYPES = (AnyType("*"),)
+    RETURN_TYPES = (IO.ANY,)  # "*": ComfyUI's link type check accepts it for every input, combos included
     FUNCTION = "run"
     CATEGORY = "testing"
 

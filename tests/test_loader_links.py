@@ -1,10 +1,10 @@
 """LoadLingbotPipeline loads only packages it listed, also when ``model`` arrives through a link.
 
 ComfyUI 0.3.75 checks a combo's value against its options only when the value is typed into the
-widget. A core STRING output linked to the combo is refused by the link type check (pinned below), but
-an output typed like the "any" type of many custom-node packs (a type that compares equal to every
-input type) passes validation and hands the loader whatever string it carries. The loader must refuse
-it itself. Runs in ComfyUI's own executor in a child process (``inprocess_runner.py``, shared with
+widget. A core STRING output (``PrimitiveString``) linked to the combo is refused by the link type check
+(pinned below), but ComfyUI's own "any" output type ``IO.ANY`` (``"*"``, output by many custom-node
+packs) matches every input, passes validation and hands the loader whatever string it carries. The
+loader must refuse it itself. Runs in ComfyUI's own executor in a child process (``inprocess_runner.py``, shared with
 ``test_encode_reset_inprocess.py``), which also counts safetensors opens and file opens under the
 package while each prompt runs.
 """
