@@ -10,7 +10,8 @@ neither can show an offload bug. The tracker instead instruments accelerate's ow
   for the duration of its forward.
 
 Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
-computes, which also sees calls that bypass a top-level hook.
+computes, which also sees calls that bypass a top-level hook. Under sequential offload a probe fires
+before its module's weights stream in, so each streaming step also takes a ``"stream"`` snapshot.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ class ResidencyTracker:
                 if name is not None:
                     tracker.streamed[name] += _nbytes(module, hook.place_submodules)
                     tracker._update_peak()
+                    tracker._snap("stream")  # probes fire before a module streams in; this sees it loaded
             return orig_align_pre(hook, module, *args, **kwargs)
 
         def align_post(hook, module, output):

@@ -1,15 +1,13 @@
 """Offload lifecycle: residency, input placement, sequential streaming, mode switching, release.
 
-Model-offload scenarios run against a *fake accelerator*: every CpuOffload hook's execution device is
-set to ``cuda:3`` and ``Tensor.to`` is intercepted for CUDA targets (recorded, tensor returned
-unchanged), so a CPU run shows where each stage asked its inputs to go. The residency tracker shows
-which components would be on the accelerator whenever each one computes.
+Model-offload scenarios run against a *fake accelerator* (``fake_accelerator.py``: every offload hook's
+execution device is ``cuda:3`` and ``Tensor.to`` is recorded), so a CPU run shows where each stage asked
+its inputs to go. The residency tracker shows which components would be on the accelerator whenever
+each one computes.
 """
 
 import gc
-import sys
 import weakref
-from contextlib import contextmanager
 from unittest import mock
 
 import numpy as np
@@ -17,52 +15,14 @@ import pytest
 import torch
 from accelerate.hooks import AlignDevicesHook, CpuOffload
 
+from fake_accelerator import FAKE, assert_placed_on_hook_device, fake_accelerator
 from lingbot_core import load_pipeline
 from lingbot_core.offload import Offloader, execution_device_of
 from residency import ResidencyTracker
 
-FAKE = torch.device("cuda", 3)
 SIZE = dict(height=64, width=96)
 RUN = dict(SIZE, num_frames=5, steps=3, seed=7)
 STAGE_FUNCTIONS = ("vae_encode", "vae_decode", "encode_text", "denoise")
-
-
-@contextmanager
-def fake_accelerator(pipe):
-    """Model offload on a pretend ``cuda:3``: records which lingbot_core function asked for which device."""
-    hooks = [m._hf_hook for m in pipe.offloader.components.values()]
-    saved = [h.execution_device for h in hooks]
-    for h in hooks:
-        h.execution_device = FAKE
-    requests = []
-    orig_to = torch.Tensor.to
-
-    def to(self, *args, **kwargs):
-        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        frame = sys._getframe(1)
-        while frame.f_code.co_name.startswith("<") and frame.f_back is not None:  # comprehensions
-            frame = frame.f_back
-        requests.append((frame.f_globals.get("__name__", ""), frame.f_code.co_name, device))
-        if device is not None and device.type == "cuda":
-            return orig_to(self, dtype=dtype) if dtype is not None else self
-        return orig_to(self, *args, **kwargs)
-
-    try:
-        with mock.patch.object(torch.Tensor, "to", to):
-            yield requests
-    finally:
-        for h, device in zip(hooks, saved):
-            h.execution_device = device
-
-
-def placements(requests, function):
-    """Devices that lingbot_core's ``function`` requested for tensors (ignoring returns to the CPU)."""
-    return {d for mod, fn, d in requests if mod.startswith("lingbot_core") and fn == function and d is not None and d.type != "cpu"}
-
-
-def assert_placed_on_hook_device(requests, functions):
-    for fn in functions:
-        assert placements(requests, fn) == {FAKE}, f"{fn} did not place its inputs on the hook's execution device"
 
 
 @pytest.fixture

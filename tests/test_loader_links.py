@@ -1,0 +1,59 @@
+"""LoadLingbotPipeline loads only packages it listed, also when ``model`` arrives through a link.
+
+ComfyUI 0.3.75 checks a combo's value against its options only when the value is typed into the
+widget. A core STRING output (``PrimitiveString``) linked to the combo is refused by the link type check
+(pinned below), but ComfyUI's own "any" output type ``IO.ANY`` (``"*"``, output by many custom-node
+packs) matches every input, passes validation and hands the loader whatever string it carries. The
+loader must refuse it itself. Runs in ComfyUI's own executor in a child process (``inprocess_runner.py``, shared with
+``test_encode_reset_inprocess.py``), which also counts safetensors opens and file opens under the
+package while each prompt runs.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from comfy_host import comfyui_unavailable_reason
+from inprocess_runner import FRAMES, H, LINK_VALUES, MODEL, W, observations
+
+pytestmark = pytest.mark.comfy
+
+
+@pytest.fixture(scope="module")
+def links(packages, tmp_path_factory):
+    reason = comfyui_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return observations(packages["dense"], tmp_path_factory.getbasetemp() / "inprocess")["links"]
+
+
+@pytest.mark.parametrize("name", list(LINK_VALUES))
+def test_core_string_link_to_the_model_combo_fails_validation(links, name):
+    run = links[f"PrimitiveString:{name}"]
+    assert run["status"] == "invalid" and run["executed"] == []
+    errors = run["validation"]["node_errors"]["2"]["errors"]
+    assert [e["type"] for e in errors] == ["return_type_mismatch"]
+    assert run["safe_opens"] == 0 and run["file_opens"] == 0
+
+
+@pytest.mark.parametrize("name", list(LINK_VALUES))
+def test_linked_path_or_unknown_name_is_refused_by_the_loader(links, name):
+    run = links[f"AnyString:{name}"]
+    assert run["status"] == "error", "a linked value the loader did not list was accepted"
+    err = run["error"]
+    assert (err["node_id"], err["node_type"], err["exception_type"]) == ("2", "LoadLingbotPipeline", "ValueError")
+    message = err["exception_message"]
+    assert f"model {run['value']!r} is not one of" in message  # names the input and the value
+    assert f"({MODEL})" in message and "paths typed into the workflow are not accepted" in message  # what is allowed
+    assert run["executed"] == ["1", "2"]  # nothing downstream of the loader ran
+    assert run["safe_opens"] == 0, "weights were opened for a refused value"
+    assert run["file_opens"] == 0, "files of the package were read for a refused value"
+
+
+def test_a_listed_name_through_the_same_link_loads_and_generates(links):
+    """After the refusals the host keeps working, and the counters above do see a real load."""
+    run = links["AnyString:listed"]
+    assert run["status"] == "success", run["error"]
+    assert run["executed"] == ["1", "2", "3", "4"]
+    assert run["frames"] == {"4": [[W, H]] * FRAMES}
+    assert run["safe_opens"] > 0 and run["file_opens"] > 0
