@@ -2,6 +2,7 @@
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
+from .prompting import NODES as PROMPT_NODES
 from .sampling import GenerateVideo, Refine
 
 NODE_CLASS_MAPPINGS = {
@@ -21,3 +22,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
     "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
 }
+
+for _key, (_cls, _name) in PROMPT_NODES.items():
+    NODE_CLASS_MAPPINGS[_key] = _cls
+    NODE_DISPLAY_NAME_MAPPINGS[_key] = _name
