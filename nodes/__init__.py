@@ -2,7 +2,7 @@
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
-from .prompting import NODES as PROMPT_NODES
+from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
 
 NODE_CLASS_MAPPINGS = {
@@ -12,6 +12,9 @@ NODE_CLASS_MAPPINGS = {
     "Refine": Refine,
     "LoadLingbotPrompt": LoadLingbotPrompt,
     "UnloadLingbotPipeline": UnloadLingbotPipeline,
+    "LingbotRewriterServer": LingbotRewriterServer,
+    "LingbotRewritePrompt": LingbotRewritePrompt,
+    "LingbotNegativePrompt": LingbotNegativePrompt,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -21,8 +24,8 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "Refine": "LingBot-Video Refine",
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
     "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
+    "LingbotRewriterServer": "LingBot-Video Rewriter Server",
+    "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
+    "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
 }
 
-for _key, (_cls, _name) in PROMPT_NODES.items():
-    NODE_CLASS_MAPPINGS[_key] = _cls
-    NODE_DISPLAY_NAME_MAPPINGS[_key] = _name

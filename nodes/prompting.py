@@ -201,9 +201,3 @@ class LingbotNegativePrompt:
                                   image=None if image is None else _pil(image), base=terms)
         return (serialize_negative(terms),)
 
-
-NODES = {
-    "LingbotRewriterServer": (LingbotRewriterServer, "LingBot-Video Rewriter Server"),
-    "LingbotRewritePrompt": (LingbotRewritePrompt, "LingBot-Video Rewrite Prompt"),
-    "LingbotNegativePrompt": (LingbotNegativePrompt, "LingBot-Video Negative Prompt"),
-}
