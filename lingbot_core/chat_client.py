@@ -99,13 +99,13 @@ def chat(server: ChatServer, model: str, content: List[dict], *, temperature: fl
     url = server.endpoint()
     body = request_body(server, model.strip(), content, temperature=temperature, seed=seed, max_tokens=max_tokens)
     data = json.dumps(body, ensure_ascii=False).encode("utf-8")
+    api_key = server.api_key()
     key = hashlib.sha256(url.encode("utf-8") + b"\0" + data).hexdigest()
     if key in _answers:
         _answers.move_to_end(key)
         return _answers[key]
 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    api_key = server.api_key()
     if api_key:
         headers["Authorization"] = f"Bearer {api_key}"
     request = urllib.request.Request(url, data=data, headers=headers, method="POST")

@@ -108,7 +108,8 @@ class LingbotRewriterServer:
 
     def configure(self, base_url, expand_model, map_model, system_prompts, api_key_env, timeout, disable_thinking):
         server = ChatServer(base_url, api_key_env, float(timeout), bool(disable_thinking))
-        server.endpoint()  # a malformed URL is reported here, on this node
+        server.endpoint()  # a malformed URL or a missing key is reported here, on this node
+        server.api_key()
         return ({"server": server, "expand_model": expand_model, "map_model": map_model,
                  "prompts": load_system_prompts(_system_prompt_path(system_prompts))},)
 
