@@ -194,3 +194,18 @@ def test_prompt_files_as_artists_save_them(server, chat):
     err = execution_error(entry)
     assert err["node_type"] == "GenerateVideo"
     assert "num_frames is 0 and the prompt has no duration" in err["exception_message"], err["exception_message"]
+
+
+@comfy
+def test_whitespace_negative_is_the_default(server):
+    """A negative box holding only spaces/newlines encodes the default negative, like an empty box."""
+    from test_nodes_comfy import saved_frames, t2v_graph
+
+    results = []
+    for i, negative in enumerate(("", " \n\t ")):
+        graph = t2v_graph("lingbot-tiny-dense", f"ws_negative_{i}", steps=1, num_frames=1,
+                          negative_prompt=negative)
+        entry = server.run(graph)
+        results.append(saved_frames(server, entry, "3"))
+    assert results[0].shape == (1, H, W, 3)
+    assert (results[0] == results[1]).all()
