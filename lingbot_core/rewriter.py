@@ -25,7 +25,7 @@ MODES = ("t2v", "ti2v", "t2i")
 PROMPT_NAMES = ("VIDEO_STEP1_EXPAND", "VIDEO_STEP2_MAP", "IMAGE_STEP1_EXPAND", "IMAGE_STEP2_MAP", "NEG_SYS")
 MAX_PROMPT_FILE_BYTES = 4 * 1024 * 1024
 _CJK = re.compile("[\u4e00-\u9fff]")
-_FENCED = re.compile(r"```(?:json)?\s*(\{.*\})\s*```", re.DOTALL)
+_FENCED = re.compile(r"```(?:json)?\s*(\{.*?)\s*```", re.DOTALL)  # an object in a fence, even if cut short
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
 _PREVIEW = 300
 

@@ -19,7 +19,9 @@ FILE = {"caption": {"scene": "a kite", "prominent_elements": [
 def test_utf8_bom_loads(tmp_path):
     path = tmp_path / "bom.json"
     path.write_bytes(b"\xef\xbb\xbf" + json.dumps(FILE).encode("utf-8"))
-    parsed = parse_prompt(read_prompt_file(path))
+    text = read_prompt_file(path)
+    assert text == json.dumps(FILE)  # the BOM is not part of the text
+    parsed = parse_prompt(text)
     assert parsed.structured and parsed.duration == 2.0
     assert parsed.text == json.dumps(FILE["caption"], separators=(",", ":"))
     assert parse_prompt("\ufeff" + json.dumps(FILE)).text == parsed.text  # pasted with the BOM

@@ -167,6 +167,22 @@ def test_http_500_reports_status_and_first_300_characters(server, prompt_file):
     assert "TAIL" not in msg and len(server.requests) == 1
 
 
+@pytest.mark.parametrize("answer", [
+    "Here is {the} caption:\n```json\n" + json.dumps(CAPTION) + "\n```",  # braces outside the fence
+    "```\n" + json.dumps(CAPTION)[:-2] + "\n```\nI kept {the order}.",  # cut short inside the fence
+])
+def test_fenced_and_broken_answers(server, prompt_file, answer):
+    server.replies[MAP] = answer
+    assert _run(server, prompt_file).caption == CAPTION
+
+
+def test_a_reasoning_block_is_not_part_of_the_detailed_caption(server, prompt_file):
+    server.replies[EXPAND] = "<think>\nThe user wants a kite.\n</think>\n\n" + DETAILED
+    result = _run(server, prompt_file)
+    assert result.detailed_caption == DETAILED.strip()
+    assert "think" not in _texts(server.bodies()[1])[0]
+
+
 def test_answer_that_is_not_an_object_shows_its_start(server, prompt_file):
     server.replies[MAP] = "Sorry, I cannot help with that. " + "x" * 400
     with pytest.raises(RewriteError, match=r"not a JSON object.*Sorry, I cannot help with that\. x+'$") as err:
