@@ -245,3 +245,24 @@ def test_caption_timestamps_past_the_duration_warn(server, prompt_file):
     result = _run(server, prompt_file, duration=2)
     assert result.warnings == ("prominent_elements[0] 'kite': action timestamp '[0.0s - 3.0s]' ends at 3 s, after "
                                "the duration 2 s; set \"duration\" to at least 3 or shorten the action.",)
+
+
+def test_cli_rewrite_writes_prompt_json(server, prompt_file, tmp_path, capsys):
+    from lingbot_core.cli import main
+
+    out = tmp_path / "prompt.json"
+    image = tmp_path / "first.png"
+    Image.new("RGB", (16, 8), (200, 30, 30)).save(image)
+    argv = ["rewrite", "--prompt", "a red kite", "--mode", "ti2v", "--image", str(image), "--duration", "3",
+            "--system_prompts", str(prompt_file), "--base_url", server.url, "--expand_model", EXPAND,
+            "--map_model", MAP, "--output", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text(encoding="utf-8")) == {"caption": CAPTION, "duration": 3}
+    assert [len(_images(b)) for b in server.bodies()] == [1, 1]
+    # Generate reads it back through the same parser as LoadLingbotPrompt.
+    parsed = parse_prompt(out.read_text(encoding="utf-8"))
+    assert parsed.duration == 3.0 and parsed.text == json.dumps(CAPTION, separators=(",", ":"))
+    capsys.readouterr()
+    bad = argv[:argv.index("--base_url") + 1] + ["http://127.0.0.1:9/v1"] + argv[argv.index("--base_url") + 2:]
+    assert main(bad[:1] + ["--prompt", "another kite"] + bad[3:]) == 2
+    assert "cannot reach the chat server at http://127.0.0.1:9/v1/chat/completions" in capsys.readouterr().err
