@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 from PIL import Image
 
 from .caption_checks import caption_warnings
-from .chat_client import ChatServer, ChatServerError, chat, image_data_url, user_content
+from .chat_client import ChatServer, chat, image_data_url, user_content
 from .text_conditioning import compact_json, frames_for_duration
 
 MODES = ("t2v", "ti2v", "t2i")
@@ -39,12 +39,16 @@ class RewriteError(ValueError):
 # ----------------------------------------------------------------------------------------------
 
 
-def _constants_from_python(path: Path) -> Dict[str, str]:
-    """Top-level ``NAME = "literal"`` assignments (implicit concatenations are one literal in the AST)."""
+def _read_bounded(path: Path) -> bytes:
     if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
         raise ValueError(f"{path} is larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB; it is not a rewriter prompt file.")
+    return path.read_bytes()
+
+
+def _constants_from_python(path: Path) -> Dict[str, str]:
+    """Top-level ``NAME = "literal"`` assignments (implicit concatenations are one literal in the AST)."""
     try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
+        tree = ast.parse(_read_bounded(path), filename=str(path))
     except SyntaxError as e:
         raise ValueError(f"{path} is not a Python module of string constants ({e.msg}, line {e.lineno}).") from None
     found = {}
@@ -76,7 +80,10 @@ def load_system_prompts(path) -> Dict[str, str]:
         if src.suffix == ".py":
             found = _constants_from_python(src)
         elif src.suffix == ".txt" and src.stem in PROMPT_NAMES:
-            found = {src.stem: src.read_bytes().decode("utf-8-sig")}
+            try:
+                found = {src.stem: _read_bounded(src).decode("utf-8-sig")}
+            except UnicodeDecodeError:
+                raise ValueError(f"{src} is not UTF-8 text; save it as UTF-8.") from None
         else:
             continue
         for name, text in found.items():

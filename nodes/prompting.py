@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Dict, List
+from typing import Dict
 
 import folder_paths
 import numpy as np
