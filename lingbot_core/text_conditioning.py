@@ -184,7 +184,8 @@ def resolve_negative(negative_prompt: Optional[str], num_frames: int) -> str:
     """The negative text to encode.
 
     None -> the mode's default (serialised with Python's default separators, as the reference's
-    shipped files). JSON text -> compact JSON (as the reference's negative-prompt files). Anything
+    shipped files). JSON text -> compact JSON (as the reference's negative-prompt files), except a
+    default with terms deleted (``is_default_edit``), which keeps the default's separators. Anything
     else verbatim; an empty string is kept and encodes an empty user turn (distinct from None).
     """
     if negative_prompt is None:
