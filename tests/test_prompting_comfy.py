@@ -89,7 +89,7 @@ def test_prose_example_workflow_writes_mp4s(server, chat):
     patch_nodes(api, "LingbotRewriterServer", base_url=chat.url)
     patch_nodes(api, "LingbotRewritePrompt", duration=1.0)
     patch_nodes(api, "LoadLingbotPipeline", model=MOE)
-    patch_nodes(api, "GenerateVideo", width=W, height=H, steps=3, fps=4)
+    patch_nodes(api, "GenerateVideo", width=W, height=H, steps=1, fps=4)
     patch_nodes(api, "EncodeImageVAE", width=W, height=H)
     patch_nodes(api, "Refine", width=REF_W, height=REF_H, steps=3)
     for save in nodes_of(api, "SaveVideo"):
