@@ -35,6 +35,7 @@ def server(comfy_server, chat_server):
     folder = comfy_server.models_dir / "lingbot_rewriter" / "rewriter"
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "prompts.py").write_text(SYS_MODULE, encoding="utf-8")
+    (folder / "NEG_SYS.txt").write_text("Delete negative terms that contradict the caption.", encoding="utf-8")
     return comfy_server
 
 
@@ -148,7 +149,7 @@ def test_rewrite_outputs_and_errors(server, chat):
 
 
 @comfy
-def test_negative_node_is_the_default_until_edited(server):
+def test_negative_node_is_the_default_until_edited(server, chat):
     keep = {"visual_quality": True, "artistic_style": True, "composition_and_content": True,
             "temporal_and_motion_stability": True, "material_and_structure": True}
     graph = {"1": {"class_type": "LingbotNegativePrompt", "inputs": {"mode": "video", "remove_terms": "", **keep}},
@@ -162,6 +163,20 @@ def test_negative_node_is_the_default_until_edited(server):
     edited = json.loads(preview_text(entry, "4"))["universal_negative"]
     assert list(edited) == ["visual_quality", "artistic_style", "composition_and_content"]
     assert edited["artistic_style"] == ["painting", "illustration", "3d render", "cgi", "sketch", "digital art"]
+
+    # auto: the base model drops the style category (allowed: the caption is a cartoon) and adds a term (dropped).
+    chat.replies[BASE] = json.dumps({"universal_negative": {"artistic_style": [], "visual_quality": ["low quality", "ugly"]}})
+    graph = {"1": rewriter_node(chat.url),
+             "2": {"class_type": "PrimitiveStringMultiline", "inputs": {"value": "a cartoon fox jumps"}},
+             "3": {"class_type": "LingbotNegativePrompt", "inputs": {
+                 "mode": "video", "remove_terms": "", **keep, "auto": ["1", 0], "caption": ["2", 0]}},
+             "4": preview("3")}
+    entry = server.run(graph)
+    auto = json.loads(preview_text(entry, "4"))["universal_negative"]
+    assert list(auto) == ["visual_quality", "composition_and_content", "temporal_and_motion_stability",
+                          "material_and_structure"] and auto["visual_quality"] == ["low quality"]
+    (body,) = chat.bodies()
+    assert body["model"] == BASE and "a cartoon fox jumps" in body["messages"][0]["content"][-1]["text"]
 
 
 @comfy
