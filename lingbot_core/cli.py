@@ -1,4 +1,5 @@
-"""Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...``."""
+"""Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...`` and
+``python -m lingbot_core rewrite --prompt "..." --system_prompts rewriter/ --base_url URL ... --output p.json``."""
 
 from __future__ import annotations
 
@@ -52,7 +53,41 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--refiner_t_thresh", type=float, default=0.85)
     g.add_argument("--refiner_sigma_tail_steps", type=int, default=2)
     g.add_argument("--refiner_max_video_frames", type=int, default=None)
+    r = sub.add_parser("rewrite", help="prose -> structured JSON caption (prompt.json) through a chat server")
+    r.add_argument("--prompt", required=True, help="the prose prompt")
+    r.add_argument("--mode", choices=["t2v", "ti2v", "t2i"], default="t2v")
+    r.add_argument("--duration", type=float, default=5.0, help="video seconds (rounded; ignored for t2i)")
+    r.add_argument("--image", help="first frame for ti2v (sent in both steps)")
+    r.add_argument("--system_prompts", required=True,
+                   help="the release's rewriter prompt module (.py, read as data) or a folder of <NAME>.txt files")
+    r.add_argument("--base_url", default="http://127.0.0.1:8000/v1", help="OpenAI-compatible base URL")
+    r.add_argument("--expand_model", required=True, help="step 1: the base VLM's name on the server")
+    r.add_argument("--map_model", required=True, help="step 2: the base VLM with the rewriter LoRA, as the server names it")
+    r.add_argument("--api_key_env", default="", help="name of the environment variable holding the API key (none if empty)")
+    r.add_argument("--temperature", type=float, default=0.0)
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    r.add_argument("--keep_thinking", action="store_true",
+                   help="do not send chat_template_kwargs.enable_thinking=false (for servers that reject it)")
+    r.add_argument("--output", default="prompt.json")
     return parser
+
+
+def rewrite(args) -> int:
+    from PIL import Image
+
+    from .chat_client import ChatServer
+    from .rewriter import load_system_prompts, rewrite as run_rewrite, save_prompt_file
+
+    server = ChatServer(args.base_url, args.api_key_env, args.timeout, disable_thinking=not args.keep_thinking)
+    image = Image.open(args.image).convert("RGB") if args.image else None
+    result = run_rewrite(server, load_system_prompts(args.system_prompts), args.prompt, mode=args.mode,
+                         duration=args.duration, image=image, expand_model=args.expand_model,
+                         map_model=args.map_model, temperature=args.temperature, seed=args.seed)
+    for warning in result.warnings:
+        logging.warning("caption: %s", warning)
+    print(save_prompt_file(result, args.output))
+    return 0
 
 
 def _progress(desc: str):
@@ -73,20 +108,22 @@ def _progress(desc: str):
 def generate(args) -> int:
     from PIL import Image
 
-    from . import frames_for_duration, load_pipeline, parse_prompt
-    from .text_conditioning import compact_json
+    from . import load_pipeline, parse_prompt
+    from .text_conditioning import compact_json, frames_for_prompt, read_prompt_file
     from .video_io import write_png, write_video
 
     # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
     # the caption, and a validated duration.
-    prompt = Path(args.prompt_json).read_text(encoding="utf-8") if args.prompt_json else args.prompt
-    duration = parse_prompt(prompt).duration
+    prompt = read_prompt_file(args.prompt_json) if args.prompt_json else args.prompt
+    parsed = parse_prompt(prompt)
+    for warning in parsed.warnings:
+        logging.warning("prompt: %s", warning)
     negative = args.negative_prompt
     if args.negative_prompt_json:
-        negative = compact_json(json.loads(Path(args.negative_prompt_json).read_text(encoding="utf-8")))
+        negative = compact_json(json.loads(read_prompt_file(args.negative_prompt_json)))
     height, width = (192, 320) if args.resolution is None else BUCKETS[args.resolution][args.ratio]
     height, width = args.height or height, args.width or width
-    num_frames = 1 if args.mode == "t2i" else (frames_for_duration(duration, args.fps) if duration is not None else args.num_frames)
+    num_frames = 1 if args.mode == "t2i" else frames_for_prompt(parsed, args.num_frames, args.fps)
     if args.mode == "ti2v" and not args.image:
         raise SystemExit("--mode ti2v needs --image")
     image = Image.open(args.image).convert("RGB") if args.mode == "ti2v" else None
@@ -116,8 +153,10 @@ def generate(args) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    from .chat_client import ChatServerError
+
     try:
-        return generate(args)
-    except (ValueError, FileNotFoundError) as e:
+        return rewrite(args) if args.command == "rewrite" else generate(args)
+    except (ValueError, FileNotFoundError, ChatServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

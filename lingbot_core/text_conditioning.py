@@ -10,10 +10,13 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional, Tuple
 
 import torch
 from PIL import Image
+
+from .caption_checks import caption_warnings
 
 # Verbatim data (see docs): 801 characters, one "{}" placeholder for the user text.
 PROMPT_TEMPLATE = (
@@ -102,6 +105,7 @@ class ParsedPrompt:
     duration: Optional[float] = None  # seconds, from a structured caption file
     structured: bool = False
     source: Optional[dict] = None  # the caption file's object (its first one, for a list)
+    warnings: Tuple[str, ...] = ()  # caption checks (e.g. action timestamps past the duration)
 
 
 def parse_prompt(prompt: str) -> ParsedPrompt:
@@ -113,7 +117,7 @@ def parse_prompt(prompt: str) -> ParsedPrompt:
     """
     if not isinstance(prompt, str):
         raise ValueError(f"prompt must be text, got {type(prompt).__name__}.")
-    stripped = prompt.strip()
+    stripped = prompt.lstrip("\ufeff").strip()  # a pasted file may keep its UTF-8 byte order mark
     if not stripped:
         raise ValueError("prompt is empty: write a structured JSON caption (recommended) or a text description.")
     if stripped[0] not in "{[":
@@ -128,12 +132,48 @@ def parse_prompt(prompt: str) -> ParsedPrompt:
     duration = None
     first = data[0] if isinstance(data, list) and data else data
     if isinstance(first, dict) and first.get("duration") is not None:
-        try:
-            duration = float(first["duration"])
-        except (TypeError, ValueError):
-            raise ValueError(f"prompt JSON: duration must be a number of seconds, got {first['duration']!r}.") from None
-    return ParsedPrompt(serialize_caption(data), duration, structured=True,
-                        source=first if isinstance(first, dict) else None)
+        value = first["duration"]
+        # bool is an int subclass: "duration": true would otherwise read as 1 s.
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"prompt JSON: duration must be a number of seconds (or null), got {json.dumps(value)}.")
+        duration = float(value)
+    source = first if isinstance(first, dict) else None
+    caption = source.get("caption") if source is not None and "caption" in source else source
+    return ParsedPrompt(serialize_caption(data), duration, structured=True, source=source,
+                        warnings=tuple(caption_warnings(caption, duration)))
+
+
+def read_prompt_file(path) -> str:
+    """A prompt file's text: UTF-8, with or without a byte order mark; other encodings are refused
+    with a message (a raw ``UnicodeDecodeError`` names neither the file nor the fix)."""
+    raw = Path(path).read_bytes()
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+        raise ValueError(f"{Path(path).name} is saved as UTF-16; save it as UTF-8 (in most editors: "
+                         "'Save with encoding' -> UTF-8) and load it again.")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{Path(path).name} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
+                         "save it as UTF-8 and load it again.") from None
+
+
+def frames_for_prompt(parsed: ParsedPrompt, num_frames: int, fps: float, use_caption_duration: bool = True) -> int:
+    """The one rule for a caption's duration: it overrides ``num_frames`` (as the reference runner)
+    when ``use_caption_duration`` is on and the caption has one.
+
+    ``num_frames == 0`` is what LoadLingbotPrompt outputs for a file without a duration; it is
+    explained here rather than rejected later as an invalid frame count.
+    """
+    if use_caption_duration and parsed.duration is not None:
+        return frames_for_duration(parsed.duration, fps)
+    if num_frames == 0:
+        why = ("the prompt has no duration" if parsed.duration is None
+               else "use_caption_duration is off")
+        raise ValueError(
+            f"num_frames is 0 and {why}: LoadLingbotPrompt outputs 0 frames for a prompt file with "
+            "\"duration\": null. Add \"duration\": <seconds> to the prompt file, or set num_frames on "
+            "GenerateVideo instead of connecting it (1 for an image, 4n+1 for a video).")
+    return num_frames
 
 
 def default_negative(num_frames: int) -> str:
@@ -144,7 +184,8 @@ def resolve_negative(negative_prompt: Optional[str], num_frames: int) -> str:
     """The negative text to encode.
 
     None -> the mode's default (serialised with Python's default separators, as the reference's
-    shipped files). JSON text -> compact JSON (as the reference's negative-prompt files). Anything
+    shipped files). JSON text -> compact JSON (as the reference's negative-prompt files), except a
+    default with terms deleted (``is_default_edit``), which keeps the default's separators. Anything
     else verbatim; an empty string is kept and encodes an empty user turn (distinct from None).
     """
     if negative_prompt is None:
@@ -152,12 +193,42 @@ def resolve_negative(negative_prompt: Optional[str], num_frames: int) -> str:
     stripped = negative_prompt.strip()
     if stripped[:1] in ("{", "["):
         try:
-            return compact_json(json.loads(stripped))
+            value = json.loads(stripped)
         except json.JSONDecodeError as e:
             raise ValueError(
                 f"negative_prompt starts with '{stripped[0]}' but is not valid JSON ({e.msg} at line {e.lineno})."
             ) from None
+        # A default with terms deleted (LingbotNegativePrompt) keeps the default's own serialisation,
+        # so that deleting nothing encodes exactly the default.
+        return json.dumps(value) if is_default_edit(value) else compact_json(value)
     return negative_prompt
+
+
+def negative_from_widget(text: str) -> Optional[str]:
+    """A node's negative box: empty or whitespace-only means the mode's default (None)."""
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def is_default_edit(value: Any) -> bool:
+    """Whether ``value`` is a default negative (video or image) with zero or more terms or categories
+    deleted: same categories and terms, verbatim, in the default's order."""
+    if not isinstance(value, dict) or list(value) != ["universal_negative"]:
+        return False
+    edit = value["universal_negative"]
+    if not isinstance(edit, dict):
+        return False
+    for default in (DEFAULT_NEGATIVE_VIDEO, DEFAULT_NEGATIVE_IMAGE):
+        cats = json.loads(default)["universal_negative"]
+        if not set(edit) <= set(cats) or [c for c in cats if c in edit] != list(edit):
+            continue
+        if all(isinstance(edit[c], list) and _is_subsequence(edit[c], cats[c]) for c in edit):
+            return True
+    return False
+
+
+def _is_subsequence(items: list, of: list) -> bool:
+    it = iter(of)
+    return all(isinstance(x, str) and any(x == y for y in it) for x in items)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
+from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
 
 NODE_CLASS_MAPPINGS = {
@@ -11,6 +12,9 @@ NODE_CLASS_MAPPINGS = {
     "Refine": Refine,
     "LoadLingbotPrompt": LoadLingbotPrompt,
     "UnloadLingbotPipeline": UnloadLingbotPipeline,
+    "LingbotRewriterServer": LingbotRewriterServer,
+    "LingbotRewritePrompt": LingbotRewritePrompt,
+    "LingbotNegativePrompt": LingbotNegativePrompt,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -20,4 +24,8 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "Refine": "LingBot-Video Refine",
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
     "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
+    "LingbotRewriterServer": "LingBot-Video Rewriter Server",
+    "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
+    "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
 }
+

@@ -8,7 +8,7 @@ import os
 import folder_paths
 
 from ..lingbot_core import frames_for_duration, parse_prompt
-from ..lingbot_core.text_conditioning import compact_json
+from ..lingbot_core.text_conditioning import compact_json, read_prompt_file
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -93,12 +93,13 @@ class LoadLingbotPrompt:
         return os.path.join(folder_paths.get_input_directory(), prompt_file)
 
     def load(self, prompt_file, fps):
-        with open(self._path(prompt_file), "r", encoding="utf-8") as f:
-            raw = f.read()
+        raw = read_prompt_file(self._path(prompt_file))
         try:
             parsed = parse_prompt(raw)
         except ValueError as e:
             raise ValueError(f"{prompt_file}: {e}") from None
+        for warning in parsed.warnings:
+            logger.warning("LoadLingbotPrompt %s: %s", prompt_file, warning)
         if not parsed.structured:
             raise ValueError(f"{prompt_file} is not valid JSON: a prompt file holds {{\"caption\": ..., \"duration\": seconds}}.")
         num_frames = frames_for_duration(parsed.duration, fps) if parsed.duration is not None else 0

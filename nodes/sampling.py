@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from ..lingbot_core import frames_for_duration, parse_prompt
+import logging
+
+from ..lingbot_core import parse_prompt
+from ..lingbot_core.text_conditioning import frames_for_prompt, negative_from_widget
 from .progress import free_comfy_models, step_callback
+
+logger = logging.getLogger("lingbot_video_nodes")
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
 
@@ -56,11 +61,12 @@ class GenerateVideo:
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
                  image_condition=None, use_caption_duration=True, fps=24, unique_id=None):
         parsed = parse_prompt(prompt)
-        if use_caption_duration and parsed.duration is not None:
-            num_frames = frames_for_duration(parsed.duration, fps)
+        for warning in parsed.warnings:
+            logger.warning("GenerateVideo prompt: %s", warning)
+        num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
         free_comfy_models()
         latents = pipe.generate(
-            prompt, negative_prompt=negative_prompt or None, condition=image_condition, height=height, width=width,
+            prompt, negative_prompt=negative_from_widget(negative_prompt), condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
             output_type="latent", callback=step_callback(unique_id, steps),
         )
@@ -108,7 +114,7 @@ class Refine:
                tail_steps, seed, vae_tiling, first_frame=None, fps=24, unique_id=None):
         free_comfy_models()
         out = pipe.refine(
-            frames, prompt, negative_prompt=negative_prompt or None,
+            frames, prompt, negative_prompt=negative_from_widget(negative_prompt),
             first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
             guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
             fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id),

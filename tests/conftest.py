@@ -93,3 +93,13 @@ def comfy_server(packages, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def chat_server():
+    """A local OpenAI-compatible chat server (127.0.0.1 only) that records requests; see chat_server.py."""
+    from chat_server import ChatCompletionsServer
+
+    server = ChatCompletionsServer().start()
+    yield server
+    server.stop()

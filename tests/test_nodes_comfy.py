@@ -48,7 +48,8 @@ EXAMPLES = REPO / "example_workflows"
 EXAMPLE_IMAGE = "lingbot_example_input.png"
 WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
-PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt")
+PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
+              "LingbotRewriterServer", "LingbotRewritePrompt", "LingbotNegativePrompt")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.

@@ -1,0 +1,89 @@
+"""Prompt files as artists save them: BOMs, UTF-16, odd durations, and the caption checks."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from lingbot_core.caption_checks import caption_warnings
+from lingbot_core.text_conditioning import (
+    frames_for_prompt, negative_from_widget, parse_prompt, read_prompt_file,
+)
+
+FILE = {"caption": {"scene": "a kite", "prominent_elements": [
+    {"name": "kite", "actions": [{"timestamp": "[0.0s - 2.0s]", "action": "rises"}]}]}, "duration": 2}
+
+
+def test_utf8_bom_loads(tmp_path):
+    path = tmp_path / "bom.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps(FILE).encode("utf-8"))
+    text = read_prompt_file(path)
+    assert text == json.dumps(FILE)  # the BOM is not part of the text
+    parsed = parse_prompt(text)
+    assert parsed.structured and parsed.duration == 2.0
+    assert parsed.text == json.dumps(FILE["caption"], separators=(",", ":"))
+    assert parse_prompt("\ufeff" + json.dumps(FILE)).text == parsed.text  # pasted with the BOM
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
+def test_utf16_gives_a_clear_message(tmp_path, encoding):
+    path = tmp_path / "wide.json"
+    data = json.dumps(FILE).encode(encoding)
+    path.write_bytes(data if data[:2] in (b"\xff\xfe", b"\xfe\xff") else b"\xfe\xff" + data)
+    with pytest.raises(ValueError, match="wide.json is saved as UTF-16; save it as UTF-8"):
+        read_prompt_file(path)
+
+
+def test_other_encodings_name_the_file(tmp_path):
+    path = tmp_path / "latin.json"
+    path.write_bytes('{"caption": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin\.json is not UTF-8 text \(byte 16 is 0xe9\)"):
+        read_prompt_file(path)
+
+
+@pytest.mark.parametrize("value", ["true", "false", '"5"', "[5]", "{}"])
+def test_non_number_durations_are_refused(value):
+    with pytest.raises(ValueError, match=r"duration must be a number of seconds \(or null\), got " + re.escape(value)):
+        parse_prompt('{"caption": {"a": 1}, "duration": %s}' % value)
+
+
+@pytest.mark.parametrize("text", ["   ", "\n\t ", ""])
+def test_whitespace_negative_is_the_default(text):
+    assert negative_from_widget(text) is None
+    assert negative_from_widget(" blurry ") == " blurry "
+
+
+def test_caption_duration_rule():
+    with_duration = parse_prompt(json.dumps(FILE))
+    assert frames_for_prompt(with_duration, 121, 24) == 49  # 2 s at 24 fps overrides 121
+    assert frames_for_prompt(with_duration, 121, 24, use_caption_duration=False) == 121
+    assert frames_for_prompt(parse_prompt("a kite"), 9, 24) == 9
+    null = parse_prompt('{"caption": {"a": 1}, "duration": null}')
+    with pytest.raises(ValueError, match=r"num_frames is 0 and the prompt has no duration.*\"duration\": null"):
+        frames_for_prompt(null, 0, 24)
+    with pytest.raises(ValueError, match="num_frames is 0 and use_caption_duration is off"):
+        frames_for_prompt(with_duration, 0, 24, use_caption_duration=False)
+
+
+def test_timestamps_past_the_duration_or_malformed_warn():
+    caption = {"prominent_elements": [
+        {"name": "kite", "actions": [{"timestamp": "[0.0s - 2.0s]"}, {"timestamp": "[2.0s - 5.5s]"}]},
+        {"name": "dog", "actions": [{"timestamp": "soon"}, {"timestamp": "[3s-1s]"}, {"action": "no stamp"}]},
+        {"actions": [{"timestamp": "[4.0 - 5.0]"}]},
+    ]}
+    assert caption_warnings(caption, 5.0) == [
+        "prominent_elements[0] 'kite': action timestamp '[2.0s - 5.5s]' ends at 5.5 s, after the duration 5 s; "
+        "set \"duration\" to at least 6 or shorten the action.",
+        "prominent_elements[1] 'dog': action timestamp 'soon' is malformed; write it as \"[start s - end s]\" with "
+        "start < end, e.g. \"[0.0s - 2.5s]\".",
+        "prominent_elements[1] 'dog': action timestamp '[3s-1s]' is malformed; write it as \"[start s - end s]\" "
+        "with start < end, e.g. \"[0.0s - 2.5s]\".",
+        "prominent_elements[1] 'dog': action timestamp None is malformed; write it as \"[start s - end s]\" with "
+        "start < end, e.g. \"[0.0s - 2.5s]\".",
+    ]
+    assert len(caption_warnings(caption, None)) == 3  # no duration: only the malformed ones
+    assert caption_warnings(caption, 6.0)[0].startswith("prominent_elements[1] 'dog'")
+    # parse_prompt (LoadLingbotPrompt, GenerateVideo) carries the same warnings
+    assert parse_prompt(json.dumps({"caption": caption, "duration": 5})).warnings == tuple(caption_warnings(caption, 5.0))
