@@ -52,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--refiner_t_thresh", type=float, default=0.85)
     g.add_argument("--refiner_sigma_tail_steps", type=int, default=2)
     g.add_argument("--refiner_max_video_frames", type=int, default=None)
+    c = sub.add_parser("convert-vae", help="write the package's VAE in the original Wan 2.1 layout (for ComfyUI's models/vae)")
+    c.add_argument("--model_dir", required=True, help="package root (with model_index.json)")
+    c.add_argument("--output", required=True, help="the .safetensors file to write, e.g. ComfyUI/models/vae/lingbot_wan2.1_vae.safetensors")
     return parser
 
 
@@ -117,6 +120,11 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
     try:
+        if args.command == "convert-vae":
+            from .vae_layout import write_original_wan21
+
+            print(write_original_wan21(args.model_dir, args.output))
+            return 0
         return generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .sampling import GenerateVideo, Refine
+from .vae import LoadLingbotVAE
 
 NODE_CLASS_MAPPINGS = {
     "LoadLingbotPipeline": LoadLingbotPipeline,
@@ -11,6 +12,7 @@ NODE_CLASS_MAPPINGS = {
     "Refine": Refine,
     "LoadLingbotPrompt": LoadLingbotPrompt,
     "UnloadLingbotPipeline": UnloadLingbotPipeline,
+    "LoadLingbotVAE": LoadLingbotVAE,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -20,4 +22,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "Refine": "LingBot-Video Refine",
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
     "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
+    "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
 }

@@ -24,7 +24,8 @@ class GenerateVideo:
     RETURN_NAMES = ("frames", "latent")
     OUTPUT_TOOLTIPS = (
         "The frames (T, H, W, 3) as an IMAGE batch; connect to CreateVideo / SaveVideo or Refine.",
-        "The final latent in Wan 2.1 VAE space (for ComfyUI's VAE Decode with the Wan 2.1 VAE).",
+        "The final latent in Wan 2.1 VAE space, on the CPU. To decode it natively, connect it to VAE Decode's samples "
+        "and LoadLingbotVAE's vae (same package) to VAE Decode's vae; ComfyUI's Load VAE cannot read the package's vae/ file.",
     )
 
     @classmethod
