@@ -23,8 +23,9 @@ comfy = pytest.mark.comfy
 
 WAN_MODEL = "lingbot-tiny-wan21-vae"
 H, W, FRAMES, STEPS = 64, 96, 5, 3
-# Largest |native VAE Decode - GenerateVideo frames| allowed, in [0, 1] units (fp32 on CPU). Measured: see README.
-DECODE_TOL = 1e-5
+# Largest |native VAE Decode - GenerateVideo frames| allowed, in [0, 1] units (fp32 on CPU). Measured on this
+# tiny VAE: at most 7.2e-6 over 3 random latents (same math, other operation order), mean 2e-7.
+DECODE_TOL = 3e-5
 
 # Run inside ComfyUI's tree: what comfy.sd.VAE builds from a converted file, and ComfyUI's Wan 2.1 module
 # at the released width (96) on the meta device, with the ddconfig of sd.py's Wan 2.1 branch.
