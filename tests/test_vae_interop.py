@@ -196,3 +196,17 @@ def test_native_vae_decode_of_the_latent_equals_the_frames(comfy_server, wan21_p
     assert np.abs(pack.astype(int) - node.astype(int)).max() <= 1  # uint8 truncation of a < 1e-5 difference
     over_tol = _frames(server, entry, "tol_save")
     assert over_tol.shape[0] == FRAMES and over_tol.max() == 0, f"{(over_tol > 0).mean():.2%} of pixels differ by more than {DECODE_TOL}"
+
+
+@comfy
+def test_a_vae_comfyui_cannot_build_is_an_error_naming_the_setting(comfy_server):
+    prompt = {
+        "1": {"class_type": "LoadLingbotVAE", "inputs": {"model": "lingbot-tiny-dense"}},  # dim_mult [1, 1, 1, 1]
+        "2": {"class_type": "EmptyLatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "3": {"class_type": "VAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0]}},
+        "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}},
+    }
+    entry = comfy_server.run(prompt, timeout=120, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "1", entry["status"]
+    assert "dim_mult=[1, 1, 1, 1]" in err["exception_message"] and "Wan 2.1" in err["exception_message"]
