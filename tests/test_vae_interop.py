@@ -15,41 +15,35 @@ import torch
 from PIL import Image
 
 from lingbot_core.loading import ModelPackageError
-from lingbot_core.vae_layout import load_original_wan21, to_original_wan21, write_original_wan21
+from lingbot_core.vae_layout import load_original_wan21, to_original_wan21
 
 from comfy_host import comfyui_unavailable_reason, execution_error, find_comfyui_dir
 
 comfy = pytest.mark.comfy
 
 WAN_MODEL = "lingbot-tiny-wan21-vae"
-H, W, FRAMES, STEPS = 64, 96, 5, 3
+H, W, FRAMES, STEPS = 64, 96, 5, 2
 # Largest |native VAE Decode - GenerateVideo frames| allowed, in [0, 1] units (fp32 on CPU). Measured on this
 # tiny VAE: at most 7.2e-6 over 3 random latents (same math, other operation order), mean 2e-7.
 DECODE_TOL = 3e-5
 
-# Run inside ComfyUI's tree: what comfy.sd.VAE builds from a converted file, and ComfyUI's Wan 2.1 module
-# at the released width (96) on the meta device, with the ddconfig of sd.py's Wan 2.1 branch.
+# Run inside ComfyUI's tree: its Wan 2.1 VAE module, built on the meta device with the ddconfig of the Wan 2.1
+# branch of comfy.sd.VAE (the base width is read from the weights), at the released width 96 and the tiny 4.
+# That comfy.sd.VAE itself picks this branch for a converted file is shown by the real-host test below.
 _COMFY_PROBE = r"""
 import json, sys
-tree, converted = sys.argv[1:3]
-sys.path.insert(0, tree)
+sys.path.insert(0, sys.argv[1])
 sys.argv = [sys.argv[0], "--cpu"]
 import comfy.options
 comfy.options.enable_args_parsing()
-import torch, comfy.sd, comfy.utils, comfy.ldm.wan.vae
-sd = comfy.utils.load_torch_file(converted)
-vae = comfy.sd.VAE(sd=sd)
-built = vae.first_stage_model.state_dict()
-with torch.device("meta"):
-    release = comfy.ldm.wan.vae.WanVAE(dim=96, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
-                                       temperal_downsample=[False, True, True], dropout=0.0)
-print("PROBE" + json.dumps({
-    "class": type(vae.first_stage_model).__module__ + "." + type(vae.first_stage_model).__name__,
-    "latent_channels": vae.latent_channels,
-    "built": {k: list(v.shape) for k, v in built.items()},
-    "equal": all(torch.equal(built[k], sd[k].to(built[k].dtype)) for k in sd if k in built),
-    "release": {k: list(v.shape) for k, v in release.state_dict().items()},
-}))
+import torch, comfy.ldm.wan.vae
+out = {}
+for dim in (96, 4):
+    with torch.device("meta"):
+        m = comfy.ldm.wan.vae.WanVAE(dim=dim, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                     temperal_downsample=[False, True, True], dropout=0.0)
+    out[dim] = {k: list(v.shape) for k, v in m.state_dict().items()}
+print("PROBE" + json.dumps(out))
 """
 
 
@@ -71,12 +65,11 @@ def wan21_package(packages, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def comfy_probe(wan21_package, tmp_path_factory):
+def comfy_probe():
     reason = comfyui_unavailable_reason()
     if reason:
         pytest.skip(reason)
-    converted = write_original_wan21(wan21_package, tmp_path_factory.mktemp("probe") / "vae.safetensors")
-    proc = subprocess.run([sys.executable, "-B", "-c", _COMFY_PROBE, str(find_comfyui_dir()), str(converted)],
+    proc = subprocess.run([sys.executable, "-B", "-c", _COMFY_PROBE, str(find_comfyui_dir())],
                           capture_output=True, text=True, timeout=120)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("PROBE")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
@@ -90,14 +83,11 @@ def test_release_size_vae_maps_onto_comfyui_wan21_names_and_shapes(comfy_probe):
         release = AutoencoderKLWan()  # diffusers' defaults are the released Wan 2.1 VAE (base 96)
     converted = to_original_wan21(release.state_dict(), dict(release.config))
     assert len(converted) == len(release.state_dict()) == 194
-    assert _shapes(converted) == comfy_probe["release"]
+    assert _shapes(converted) == comfy_probe["96"]
 
 
-def test_comfyui_builds_its_wan21_vae_from_the_converted_tiny_package(comfy_probe, wan21_package):
-    assert comfy_probe["class"] == "comfy.ldm.wan.vae.WanVAE"
-    assert comfy_probe["latent_channels"] == 16
-    assert _shapes(load_original_wan21(wan21_package)) == comfy_probe["built"]
-    assert comfy_probe["equal"], "ComfyUI holds other values than the converted file"
+def test_tiny_test_vae_maps_onto_comfyui_wan21_names_and_shapes(comfy_probe, wan21_package):
+    assert _shapes(load_original_wan21(wan21_package)) == comfy_probe["4"]
 
 
 def test_vae_that_comfyui_cannot_build_is_refused_with_the_reason(packages, tmp_path):
@@ -176,12 +166,13 @@ def test_native_vae_decode_of_the_latent_equals_the_frames(comfy_server, wan21_p
             "text_encoder_precision": "auto", "vae_precision": "fp32"}},
         "2": {"class_type": "GenerateVideo", "inputs": {
             "pipe": ["1", 0], "prompt": "a red kite above green hills", "negative_prompt": "", "width": W, "height": H,
-            "num_frames": FRAMES, "steps": STEPS, "guidance_scale": 3.0, "shift": 3.0, "seed": 7}},
+            "num_frames": FRAMES, "steps": STEPS, "guidance_scale": 1.0, "shift": 3.0, "seed": 7}},  # no CFG: faster
         "3": {"class_type": "LoadLingbotVAE", "inputs": {"model": WAN_MODEL}},
         "4": {"class_type": "VAEDecode", "inputs": {"samples": ["2", 1], "vae": ["3", 0]}},
         "5": {"class_type": "VAELoader", "inputs": {"vae_name": vae_file.name}},  # the CLI's file, ComfyUI's loader
         "6": {"class_type": "VAEDecode", "inputs": {"samples": ["2", 1], "vae": ["5", 0]}},
-        "7": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "interop_pack"}},
+        "10": {"class_type": "UnloadLingbotPipeline", "inputs": {"pipe": ["1", 0], "frames": ["2", 0]}},  # leave no pipeline behind
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["10", 0], "filename_prefix": "interop_pack"}},
         "8": {"class_type": "SaveImage", "inputs": {"images": ["4", 0], "filename_prefix": "interop_node"}},
         "9": {"class_type": "SaveImage", "inputs": {"images": ["6", 0], "filename_prefix": "interop_file"}},
     }
