@@ -25,8 +25,9 @@ class GenerateVideo:
     RETURN_NAMES = ("frames", "latent")
     OUTPUT_TOOLTIPS = (
         "The frames (T, H, W, 3) as an IMAGE batch; connect to CreateVideo / SaveVideo or Refine.",
-        "The final latent in Wan 2.1 VAE space, on the CPU. To decode it natively, connect it to VAE Decode's samples "
-        "and LoadLingbotVAE's vae (same package) to VAE Decode's vae; ComfyUI's Load VAE cannot read the package's vae/ file.",
+        "The final latent in Wan 2.1 VAE space, on the CPU. To decode it with ComfyUI's VAE Decode, connect it to 'samples' "
+        "and 'LingBot-Video Load VAE (native)' (same package) to 'vae'. Load VAE cannot read the package's vae/ file "
+        "(only one converted with 'python -m lingbot_core convert-vae').",
     )
 
     @classmethod

@@ -158,7 +158,10 @@ def test_native_vae_decode_of_the_latent_equals_the_frames(comfy_server, wan21_p
     server.add_model(WAN_MODEL, wan21_package)
     vae_file = server.models_dir / "vae" / "lingbot_tiny_wan2.1_vae.safetensors"
     assert main(["convert-vae", "--model_dir", str(wan21_package), "--output", str(vae_file)]) == 0
-    assert WAN_MODEL in server.object_info("LoadLingbotVAE")["input"]["required"]["model"][0]
+    vae_info = server.object_info("LoadLingbotVAE")
+    assert WAN_MODEL in vae_info["input"]["required"]["model"][0] and vae_info["output"] == ["VAE"]
+    latent_tip = server.object_info("GenerateVideo")["output_tooltips"][1]
+    assert f"'{vae_info['display_name']}'" in latent_tip and "VAE Decode" in latent_tip  # what to connect
 
     prompt = {
         "1": {"class_type": "LoadLingbotPipeline", "inputs": {
