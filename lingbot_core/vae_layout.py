@@ -28,10 +28,8 @@ ORIGINAL_WAN21_ARCH = {
 _RESBLOCK = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
              "conv2": "residual.6", "conv_shortcut": "shortcut"}
 _TOP = {"quant_conv": "conv1", "post_quant_conv": "conv2"}
-_ENDS = {"conv_in": "conv1", "norm_out": "head.0", "conv_out": "head.2"}
-_MID = {"resnets.0": "middle.0", "resnets.1": "middle.2"}  # attentions.0 -> middle.1
-
-_LEAF = r"(?P<leaf>(?:weight|bias|gamma))"
+_ENDS = {"conv_in": "conv1", "norm_out": "head.0", "conv_out": "head.2"}  # of encoder and decoder
+_MID = {"resnets.0": "middle.0", "resnets.1": "middle.2"}  # and attentions.0 -> middle.1
 _RES_PART = r"norm1\.gamma|norm2\.gamma|(?:conv1|conv2|conv_shortcut)\.(?:weight|bias)"
 _OTHER_PART = r"(?:resample\.1|time_conv|to_qkv|proj)\.(?:weight|bias)|norm\.gamma"
 
@@ -71,10 +69,9 @@ def original_key(key: str, config: Mapping) -> str:
         return f"{_TOP[top]}.{rest}"
     if top not in ("encoder", "decoder"):
         raise KeyError(key)
-    for old, new in _ENDS.items():
-        m = re.fullmatch(rf"{old}\.{_LEAF}", rest)
-        if m:
-            return f"{top}.{new}.{m['leaf']}"
+    m = re.fullmatch(r"(?P<mod>conv_in|conv_out)\.(?P<leaf>weight|bias)|(?P<norm>norm_out)\.(?P<g>gamma)", rest)
+    if m:
+        return f"{top}.{_ENDS[m['mod'] or m['norm']]}.{m['leaf'] or m['g']}"
     m = re.fullmatch(rf"mid_block\.(?P<mod>resnets\.[01])\.(?P<part>{_RES_PART})", rest)
     if m:
         return f"{top}.{_MID[m['mod']]}.{_res_part(m['part'])}"
