@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep_thinking", action="store_true",
                    help="do not send chat_template_kwargs.enable_thinking=false (for servers that reject it)")
     r.add_argument("--output", default="prompt.json")
+    c = sub.add_parser("convert-vae", help="write the package's VAE in the original Wan 2.1 layout (for ComfyUI's models/vae)")
+    c.add_argument("--model_dir", required=True, help="package root (with model_index.json)")
+    c.add_argument("--output", required=True, help="the .safetensors file to write, e.g. ComfyUI/models/vae/lingbot_wan2.1_vae.safetensors")
     return parser
 
 
@@ -156,6 +159,11 @@ def main(argv=None) -> int:
     from .chat_client import ChatServerError
 
     try:
+        if args.command == "convert-vae":
+            from .vae_layout import write_original_wan21
+
+            print(write_original_wan21(args.model_dir, args.output))
+            return 0
         return rewrite(args) if args.command == "rewrite" else generate(args)
     except (ValueError, FileNotFoundError, ChatServerError) as e:
         print(f"error: {e}", file=sys.stderr)

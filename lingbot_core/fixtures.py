@@ -167,6 +167,16 @@ def tiny_vae(seed: int = 0) -> AutoencoderKLWan:
                                 latents_mean=WAN21_LATENTS_MEAN, latents_std=WAN21_LATENTS_STD).eval()
 
 
+def tiny_wan21_vae(seed: int = 0) -> AutoencoderKLWan:
+    """The released Wan 2.1 VAE architecture (dim_mult [1, 2, 4, 4], 2 residual blocks) at base width 4,
+    the form ComfyUI's own Wan 2.1 VAE builds; ``tiny_vae`` is smaller but has no ComfyUI equivalent."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoencoderKLWan(base_dim=4, z_dim=16, dim_mult=[1, 2, 4, 4], num_res_blocks=2, attn_scales=[],
+                                temperal_downsample=[False, True, True],
+                                latents_mean=WAN21_LATENTS_MEAN, latents_std=WAN21_LATENTS_STD).eval()
+
+
 def dit_config(moe: bool = False) -> dict:
     return {**TINY_DENSE_CONFIG, **(TINY_MOE_EXTRA if moe else {})}
 

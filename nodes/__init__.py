@@ -4,6 +4,7 @@ from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
+from .vae import LoadLingbotVAE
 
 NODE_CLASS_MAPPINGS = {
     "LoadLingbotPipeline": LoadLingbotPipeline,
@@ -15,6 +16,7 @@ NODE_CLASS_MAPPINGS = {
     "LingbotRewriterServer": LingbotRewriterServer,
     "LingbotRewritePrompt": LingbotRewritePrompt,
     "LingbotNegativePrompt": LingbotNegativePrompt,
+    "LoadLingbotVAE": LoadLingbotVAE,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -27,5 +29,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotRewriterServer": "LingBot-Video Rewriter Server",
     "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
+    "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
 }
 

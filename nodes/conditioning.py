@@ -8,6 +8,8 @@ import os
 import folder_paths
 
 from ..lingbot_core import frames_for_duration, parse_prompt
+from ..lingbot_core.latents import MAX_SIDE, SIZE_MULTIPLE
+from ..lingbot_core.pipeline import MAX_TI2V_ASPECT
 from ..lingbot_core.text_conditioning import compact_json, read_prompt_file
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -31,8 +33,10 @@ class EncodeImageVAE:
             "required": {
                 "pipe": ("LINGBOT_PIPE", {"tooltip": "The base pipeline from LoadLingbotPipeline."}),
                 "image": ("IMAGE", {"tooltip": "The first frame. For a batch, the first image is used."}),
-                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip": "Video width in pixels (multiple of 16); must match GenerateVideo."}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip": "Video height in pixels (multiple of 16); must match GenerateVideo."}),
+                "width": ("INT", {"default": 832, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE,
+                          "tooltip": f"Video width in pixels (multiple of {SIZE_MULTIPLE}); must match GenerateVideo. The longer side may be at most {MAX_TI2V_ASPECT} times the shorter."}),
+                "height": ("INT", {"default": 480, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE,
+                           "tooltip": f"Video height in pixels (multiple of {SIZE_MULTIPLE}); must match GenerateVideo. The longer side may be at most {MAX_TI2V_ASPECT} times the shorter."}),
             }
         }
 

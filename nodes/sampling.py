@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..lingbot_core import parse_prompt
+from ..lingbot_core.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
 from ..lingbot_core.text_conditioning import frames_for_prompt, negative_from_widget
 from .progress import free_comfy_models, step_callback
 
@@ -29,7 +30,9 @@ class GenerateVideo:
     RETURN_NAMES = ("frames", "latent")
     OUTPUT_TOOLTIPS = (
         "The frames (T, H, W, 3) as an IMAGE batch; connect to CreateVideo / SaveVideo or Refine.",
-        "The final latent in Wan 2.1 VAE space (for ComfyUI's VAE Decode with the Wan 2.1 VAE).",
+        "The final latent in Wan 2.1 VAE space, on the CPU. To decode it with ComfyUI's VAE Decode, connect it to 'samples' "
+        "and 'LingBot-Video Load VAE (native)' (same package) to 'vae'. Load VAE cannot read the package's vae/ file "
+        "(only one converted with 'python -m lingbot_core convert-vae').",
     )
 
     @classmethod
@@ -41,9 +44,9 @@ class GenerateVideo:
                            "tooltip": "A structured JSON caption (recommended; the model is trained on them, e.g. from LoadLingbotPrompt) or plain text. Text starting with '{' must be valid JSON."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "",
                                     "tooltip": "Empty = the model's default negative (video or image). JSON text is used as a compact JSON caption."}),
-                "width": ("INT", {"default": 832, "min": 16, "max": 4096, "step": 16, "tooltip": "Width in pixels, a multiple of 16 (480p 16:9 = 832)."}),
-                "height": ("INT", {"default": 480, "min": 16, "max": 4096, "step": 16, "tooltip": "Height in pixels, a multiple of 16."}),
-                "num_frames": ("INT", {"default": 121, "min": 1, "max": 1001, "step": 4,
+                "width": ("INT", {"default": 832, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE, "tooltip": f"Width in pixels, a multiple of {SIZE_MULTIPLE} (480p 16:9 = 832)."}),
+                "height": ("INT", {"default": 480, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE, "tooltip": f"Height in pixels, a multiple of {SIZE_MULTIPLE}."}),
+                "num_frames": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": TEMPORAL_COMPRESSION,
                                "tooltip": "1 (an image) or 4n+1 frames; 121 = 5 s at 24 fps. A caption's duration overrides it when use_caption_duration is on."}),
                 "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Sampling steps (UniPC); 40 is the reference setting."}),
                 "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance; 3.0 is the reference setting, <= 1 disables it (twice as fast)."}),
@@ -93,8 +96,8 @@ class Refine:
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The same caption as the base run (text only; no image tokens)."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "",
                                     "tooltip": "Empty = the refiner's default zeroed negative. Text here is encoded instead."}),
-                "width": ("INT", {"default": 1920, "min": 16, "max": 4096, "step": 16, "tooltip": "Refiner output width (multiple of 16)."}),
-                "height": ("INT", {"default": 1088, "min": 16, "max": 4096, "step": 16, "tooltip": "Refiner output height (multiple of 16)."}),
+                "width": ("INT", {"default": 1920, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE, "tooltip": f"Refiner output width (multiple of {SIZE_MULTIPLE})."}),
+                "height": ("INT", {"default": 1088, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE, "tooltip": f"Refiner output height (multiple of {SIZE_MULTIPLE})."}),
                 "steps": ("INT", {"default": 8, "min": 1, "max": 200, "tooltip": "Steps of the full grid before it is cut at t_thresh (8 -> 6 + tail steps)."}),
                 "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance (3.0 reference)."}),
                 "shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 20.0, "step": 0.1, "tooltip": "Sigma shift (3.0 reference)."}),

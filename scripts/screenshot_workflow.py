@@ -7,6 +7,13 @@ Regenerate the README image (from the repository root, after ``scripts/setup-env
     .venv/bin/python scripts/screenshot_workflow.py
     # -> docs/images/workflow_ti2v_refine.png
 
+Template-browser thumbnails (ComfyUI fetches ``example_workflows/<name>.jpg``), one per workflow::
+
+    for w in lingbot_t2v lingbot_ti2v lingbot_ti2v_refine; do
+        .venv/bin/python scripts/screenshot_workflow.py --workflow example_workflows/$w.json \
+            --out example_workflows/$w.jpg --width 1024 --height 768 --out-width 512
+    done
+
 What it does:
 
 1. writes tiny fixture model packages (``lingbot_core.fixtures.write_package``) named
@@ -302,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chromium", help="Chromium/Chrome binary (default: found on PATH)")
     ap.add_argument("--colors", type=int, default=0,
                     help="quantize to this many colours to shrink the PNG (0 = lossless RGB)")
+    ap.add_argument("--out-width", type=int, default=0,
+                    help="downsize the saved image to this width, keeping the aspect (0 = --width)")
     ap.add_argument("--keep-temp", action="store_true", help="keep the temp dir (logs, profile)")
     args = ap.parse_args(argv)
 
@@ -370,10 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         image = Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")
         if image.size != (args.width, args.height):
             image = image.resize((args.width, args.height), Image.LANCZOS)
+        if args.out_width and args.out_width != image.size[0]:
+            image = image.resize((args.out_width, round(image.size[1] * args.out_width / image.size[0])), Image.LANCZOS)
         if args.colors:
             image = image.quantize(colors=args.colors, method=Image.MEDIANCUT, dither=Image.NONE)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        image.save(args.out, optimize=True)
+        jpeg = args.out.suffix.lower() in (".jpg", ".jpeg")
+        image.save(args.out, optimize=True, **({"quality": 85} if jpeg else {}))
         print(f"[shot] wrote {args.out} ({image.size[0]}x{image.size[1]}, "
               f"{args.out.stat().st_size / 1024:.0f} KiB)", flush=True)
     finally:
