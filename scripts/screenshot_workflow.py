@@ -9,7 +9,7 @@ Regenerate the README image (from the repository root, after ``scripts/setup-env
 
 Template-browser thumbnails (ComfyUI fetches ``example_workflows/<name>.jpg``), one per workflow::
 
-    for w in lingbot_t2v lingbot_ti2v lingbot_ti2v_refine; do
+    for w in lingbot_t2v lingbot_ti2v lingbot_ti2v_refine lingbot_prose_ti2v_refine; do
         .venv/bin/python scripts/screenshot_workflow.py --workflow example_workflows/$w.json \
             --out example_workflows/$w.jpg --width 1024 --height 768 --out-width 512
     done

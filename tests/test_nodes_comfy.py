@@ -49,7 +49,8 @@ EXAMPLE_IMAGE = "lingbot_example_input.png"
 WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
 PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
-              "LingbotRewriterServer", "LingbotRewritePrompt", "LingbotNegativePrompt")
+              "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
+              "LingbotNegativePrompt")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.
