@@ -87,6 +87,12 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (cheap; no garbage collection)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def return_freed_memory() -> None:
     """Collect unreachable objects now and hand freed heap pages back to the OS.
 
@@ -95,8 +101,7 @@ def return_freed_memory() -> None:
     ``malloc_trim`` returns those pages.
     """
     gc.collect()
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
+    trim_heap()
 
 
 # -- what a package costs --------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 
 from .latents import LatentNormalizer
 from .loading import ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline
-from .memory import MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory
+from .memory import MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap
 from .offload import check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 
@@ -180,6 +180,7 @@ class PipelinePool:
         finally:
             with self._lock:
                 self._in_use[spec] -= 1
+            trim_heap()  # a stage's freed activations would otherwise stay in the process's RSS
 
     def _placing(self) -> None:
         if self.observer is not None:

@@ -93,3 +93,25 @@ def comfy_server(packages, tmp_path_factory):
     server.start()
     yield server
     server.stop()
+
+
+# DiT configs for memory tests: few but wide layers, so writing the package is quick for its size.
+MEMORY_DIT = {"hidden_size": 1536, "num_attention_heads": 12, "axes_dims": [32, 48, 48], "depth": 3,
+              "intermediate_size": 6144}  # about 0.5 GiB per DiT in fp32
+MEMORY_DIT_MEDIUM = {"hidden_size": 512, "num_attention_heads": 4, "axes_dims": [32, 48, 48], "depth": 2,
+                     "intermediate_size": 2048}  # about 45 MiB per DiT
+
+
+@pytest.fixture(scope="session")
+def memory_packages(tmp_path_factory):
+    """fp32 dense packages (with a refiner) big enough to measure RSS with; deleted after the session."""
+    import shutil
+
+    from lingbot_core.fixtures import write_package
+
+    root = tmp_path_factory.mktemp("memory-packages")
+    yield {
+        "big": write_package(root / "lingbot-memory-big", fp32=True, seed=3, dit=MEMORY_DIT),
+        "medium": write_package(root / "lingbot-memory-medium", fp32=True, seed=4, dit=MEMORY_DIT_MEDIUM),
+    }
+    shutil.rmtree(root, ignore_errors=True)
