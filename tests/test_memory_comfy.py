@@ -211,3 +211,14 @@ def test_soak_load_generate_unload_refine_keeps_rss_flat(mem_server):
     print("\nsoak RSS after each cycle (MiB): " + ", ".join(f"{a / MIB:.0f}" for a in after))
     worst = max(abs(a - first) for a in after)
     assert worst <= 0.05 * first, f"RSS moved by {worst / MIB:.0f} MiB from cycle 1 ({first / MIB:.0f} MiB)"
+
+
+def test_a_symlink_loop_lists_each_package_once(mem_server):
+    """models/diffusers/loop -> models/diffusers must not list every package again as loop/..., loop/loop/..."""
+    loop = mem_server.models_dir / "diffusers" / "loop"
+    loop.symlink_to(mem_server.models_dir / "diffusers", target_is_directory=True)
+    try:
+        names = mem_server.object_info("LoadLingbotPipeline")["input"]["required"]["model"][0]
+    finally:
+        loop.unlink()
+    assert sorted(names) == sorted([BIG, MEDIUM]), names
