@@ -12,15 +12,12 @@ the pipeline through the pool, and the pipeline's handles load it again when nex
 
 from __future__ import annotations
 
-import logging
 import os
 
 import comfy.model_management as mm
 import torch
 
 from ..lingbot_core.pipeline_pool import PipelinePool, PipelineSpec
-
-logger = logging.getLogger("lingbot_video_nodes")
 
 
 class LingbotPipelineWeights:
@@ -77,7 +74,7 @@ class PipelineEntry:
         'model' or 'sequential' holds none of it, so releasing its RAM would not help: report the request
         as met here and let ComfyUI look at its other models. With offload 'none' the weights do sit on
         the device: free them (return 0, and ComfyUI calls ``detach``)."""
-        if self.pipe.offload == "none" and self.load_device.type != "cpu":
+        if self.pipe is not None and self.pipe.offload == "none" and self.load_device.type != "cpu":
             return 0
         return memory_to_free
 
