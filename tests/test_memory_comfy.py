@@ -1,9 +1,9 @@
 """Memory through a real headless ComfyUI 0.3.75, measured as the server's RSS (issue 9).
 
 Packages are random but big enough to measure: the DiT and the refiner DiT are about 0.5 GiB each
-(fp32, so they stay memory-mapped: ``MEMORY_DIT``), written once per session by the fixtures writer
-and deleted afterwards. "One pipeline" is the size of its safetensors files on disk (DiT + text
-encoder + VAE), an independent number. A test-only node (tests/rss_probe) records the server's RSS
+once loaded (stored in bf16 as released, cast to fp32 on the CPU: ``MEMORY_DIT``), written once per
+session by the fixtures writer and deleted afterwards. "One pipeline" is its weights as loaded,
+counted from the safetensors headers (DiT + text encoder + VAE), an independent number. A test-only node (tests/rss_probe) records the server's RSS
 inside the prompt; the peak comes from VmHWM, reset through /proc/<pid>/clear_refs before each
 prompt. Heavy (about 1.5 GiB of RAM in the server): run with ``flock /tmp/lingbot-heavy.lock``.
 """
@@ -47,9 +47,17 @@ def _ram_kib(field: str, pid: int) -> int:
     raise KeyError(field)
 
 
-def _files_bytes(package: Path, transformer: str) -> int:
-    return sum(p.stat().st_size for sub in (transformer, "text_encoder", "vae")
-               for p in (package / sub).glob("*.safetensors"))
+def _weights_bytes(package: Path, transformer: str) -> int:
+    """The weights of one pipeline as the CPU loads them ("auto" = fp32): every tensor's element count
+    from the safetensors headers (read here with the json module, not with the pack's code) x 4 bytes."""
+    total = 0
+    for sub in (transformer, "text_encoder", "vae"):
+        for path in (package / sub).glob("*.safetensors"):
+            with open(path, "rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            header.pop("__metadata__", None)
+            total += sum(4 * int(np.prod(t["shape"])) for t in header.values())
+    return total
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +157,7 @@ def free_all(server) -> None:
 def test_generate_unload_refine_holds_one_pipeline_at_a_time(mem_server, memory_packages, offload, layout):
     """Peak RSS over the whole prompt <= one pipeline + 25 %, and the Unload node frees >= 90 % of the
     base pipeline's weight bytes before the next node runs, with no garbage collection in between."""
-    one = max(_files_bytes(memory_packages["big"], t) for t in ("transformer", "refiner"))
+    one = max(_weights_bytes(memory_packages["big"], t) for t in ("transformer", "refiner"))
     free_all(mem_server)
     pid = mem_server.proc.pid
     tag = f"peak-{offload}"
@@ -179,7 +187,7 @@ def test_free_releases_idle_pipelines_and_the_next_run_reloads(mem_server):
     loaded = _ram_kib("VmRSS", pid)
     free_all(mem_server)
     freed = loaded - _ram_kib("VmRSS", pid)
-    one = _files_bytes(mem_server.models_dir / "diffusers" / BIG, "transformer")
+    one = _weights_bytes(mem_server.models_dir / "diffusers" / BIG, "transformer")
     print(f"\n/free: RSS fell by {freed / MIB:.0f} MiB (one pipeline {one / MIB:.0f} MiB)")
     assert freed >= 0.9 * one
     entry = mem_server.run(graph, timeout=300)
