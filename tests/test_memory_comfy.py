@@ -1,8 +1,8 @@
 """Memory through a real headless ComfyUI 0.3.75, measured as the server's RSS (issue 9).
 
 Packages are random but big enough to measure: the DiT and the refiner DiT are about 0.5 GiB each
-once loaded (stored in bf16 as released, cast to fp32 on the CPU: ``MEMORY_DIT``), written once per
-session by the fixtures writer and deleted afterwards. "One pipeline" is its weights as loaded,
+(fp32, loaded without a cast, so memory-mapped: ``MEMORY_DIT``), written once per session by the
+fixtures writer and deleted afterwards. "One pipeline" is its weights as loaded,
 counted from the safetensors headers (DiT + text encoder + VAE), an independent number. A test-only node (tests/rss_probe) records the server's RSS
 inside the prompt; the peak comes from VmHWM, reset through /proc/<pid>/clear_refs before each
 prompt. Heavy (about 1.5 GiB of RAM in the server): run with ``flock /tmp/lingbot-heavy.lock``.
