@@ -317,7 +317,7 @@ def test_every_loader_option_runs_here(server, baseline, widget, value):
 def test_failed_load_does_not_evict_a_loaded_pipeline(server, baseline, broken_packages):
     name = "hardening-broken-truncated"
     server.add_model(name, broken_packages["truncated"])
-    both = t2v() | {"7": loader(MOE), "8": generate("7"), "9": save("8")}  # fills the cache (capacity 2)
+    both = t2v() | {"7": loader(MOE), "8": generate("7"), "9": save("8")}  # two pipelines loaded
     server.run(both, timeout=240)
     mark = len(server.log_path.read_text(errors="replace").splitlines())
     expect_exec_error(server, t2v() | {"1": loader(name)}, "1", r"not a readable safetensors file")
