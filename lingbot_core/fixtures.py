@@ -263,17 +263,19 @@ def write_dit(folder: Path, config: dict, seed: int, fp32: bool = False, sharded
 
 
 def write_package(out_dir, *, moe: bool = False, seed: int = 0, fp32: bool = False, sharded: bool = False,
-                  refiner: bool = True, scheduler_shift: float = 1.0) -> Path:
+                  refiner: bool = True, scheduler_shift: float = 1.0, dit: Optional[dict] = None) -> Path:
     """Write a tiny LingBot-Video package into ``out_dir`` and return its path.
 
     Release-like dtypes by default (DiT bf16 with fp32 islands, text encoder bf16, VAE fp32);
-    ``fp32=True`` stores everything in fp32 for exact CPU comparisons.
+    ``fp32=True`` stores everything in fp32 for exact CPU comparisons. ``dit`` overrides DiT config
+    entries (e.g. ``{"hidden_size": 1024, "depth": 8}`` for a package big enough to measure memory with;
+    ``text_dim`` must stay the tiny text encoder's width).
     """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     _write_json(root / "model_index.json", MODEL_INDEX)
 
-    config = dit_config(moe)
+    config = {**dit_config(moe), **(dit or {})}
     write_dit(root / "transformer", config, seed, fp32, sharded)
     if refiner:
         write_dit(root / "refiner", config, seed + 1, fp32, sharded)  # same names, different weights

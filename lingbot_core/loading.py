@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import struct
 from pathlib import Path
 from typing import Dict, Optional
 
@@ -82,6 +83,30 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
     """
     from safetensors import SafetensorError, safe_open
 
+    model = _transformer_on_meta(folder, name)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    seen = set()
+    for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                shard = {}
+                for key in f.keys():
+                    _check_tensor(name, path, key, expected)
+                    tensor = f.get_tensor(key)
+                    _check_tensor(name, path, key, expected, tuple(tensor.shape))
+                    target = torch.float32 if is_fp32_island(key) else dtype
+                    shard[key] = tensor.to(target) if tensor.is_floating_point() else tensor
+                    seen.add(key)
+        except SafetensorError as e:
+            raise ModelPackageError(f"{name}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again.") from None
+        model.load_state_dict(shard, strict=False, assign=True)
+        del shard
+    _check_complete(name, expected, seen)
+    return model.eval().requires_grad_(False)
+
+
+def _transformer_on_meta(folder: Path, name: str) -> LingBotVideoTransformer3DModel:
+    """The DiT described by ``config.json``, built on ``meta`` (no memory)."""
     config_path = folder / "config.json"
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
@@ -91,36 +116,46 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
         raise ModelPackageError(f"{name}: {config_path} is not valid JSON ({e}).") from None
     try:
         with torch.device("meta"):
-            model = LingBotVideoTransformer3DModel.from_config(config)
+            return LingBotVideoTransformer3DModel.from_config(config)
     except (TypeError, ValueError) as e:
         raise ModelPackageError(f"{name}: config.json describes an invalid model: {e}") from None
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    seen = set()
-    for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                shard = {}
-                for key in f.keys():
-                    if key not in expected:
-                        raise ModelPackageError(f"{name}: {path.name} has tensor {key!r}, which this model config does not have.")
-                    tensor = f.get_tensor(key)
-                    if tuple(tensor.shape) != tuple(expected[key]):
-                        raise ModelPackageError(
-                            f"{name}: tensor {key!r} in {path.name} has shape {list(tensor.shape)}, but config.json "
-                            f"implies {list(expected[key])}. The weights do not match the config."
-                        )
-                    target = torch.float32 if is_fp32_island(key) else dtype
-                    shard[key] = tensor.to(target) if tensor.is_floating_point() else tensor
-                    seen.add(key)
-        except SafetensorError as e:
-            raise ModelPackageError(f"{name}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again.") from None
-        model.load_state_dict(shard, strict=False, assign=True)
-        del shard
+
+
+def _check_tensor(name: str, path: Path, key: str, expected: dict, shape: Optional[tuple] = None) -> None:
+    if key not in expected:
+        raise ModelPackageError(f"{name}: {path.name} has tensor {key!r}, which this model config does not have.")
+    if shape is not None and tuple(shape) != tuple(expected[key]):
+        raise ModelPackageError(
+            f"{name}: tensor {key!r} in {path.name} has shape {list(shape)}, but config.json "
+            f"implies {list(expected[key])}. The weights do not match the config."
+        )
+
+
+def _check_complete(name: str, expected: dict, seen: set) -> None:
     missing = sorted(set(expected) - seen)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelPackageError(f"{name}: the checkpoint is missing {len(missing)} tensors: {', '.join(missing[:3])}{more}.")
-    return model.eval().requires_grad_(False)
+
+
+def check_transformer(folder: Path, name: str = "transformer") -> None:
+    """Every check of :func:`load_transformer` (config, tensor names and shapes, completeness), from the
+    safetensors headers alone: a lazy loader reports a broken DiT before any weight is read."""
+    from .memory import safetensors_header
+
+    expected = {k: v.shape for k, v in _transformer_on_meta(folder, name).state_dict().items()}
+    seen = set()
+    for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
+        try:
+            header = safetensors_header(path)
+        except (OSError, ValueError, UnicodeDecodeError, struct.error) as e:
+            raise ModelPackageError(
+                f"{name}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again."
+            ) from None
+        for key, info in header.items():
+            _check_tensor(name, path, key, expected, tuple(info.get("shape", ())))
+            seen.add(key)
+    _check_complete(name, expected, seen)
 
 
 def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path:

@@ -13,7 +13,6 @@ stage always runs with exactly its own component resident and leaves nothing beh
 
 from __future__ import annotations
 
-import gc
 import logging
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, List, Optional
@@ -139,11 +138,20 @@ class Offloader:
         self.mode = "none"
 
     def release(self) -> None:
-        """Remove hooks and drop every component reference so the weights can be freed."""
-        self.remove_hooks()
-        self.components.clear()
-        gc.collect()
-        empty_device_cache(self.device)
+        """Remove hooks and free every weight now, in any mode.
+
+        The tensors are dropped from the modules themselves, not only the references to the modules:
+        a module that something else still reaches (a reference cycle through a removed hook, a
+        caller's variable) then holds no weights, so nothing waits for a later cyclic GC.
+        """
+        try:
+            self.remove_hooks()
+        finally:
+            for module in self.components.values():
+                _drop_tensors(module)
+            self.components.clear()
+            self._chain = []
+            empty_device_cache(self.device)
 
     # -- per-stage lifecycle --------------------------------------------------------------------
 
@@ -193,6 +201,14 @@ class Offloader:
             if any(t.device.type not in ("cpu", "meta") for t in _tensors(module)):
                 out.append(name)
         return out
+
+
+def _drop_tensors(module: nn.Module) -> None:
+    for sub in module.modules():
+        for name in list(sub._parameters):
+            sub._parameters[name] = None
+        for name in list(sub._buffers):
+            sub._buffers[name] = None
 
 
 def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:

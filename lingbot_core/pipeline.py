@@ -22,6 +22,7 @@ from .latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
+from .memory import trim_heap
 from .offload import Offloader, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
@@ -144,6 +145,7 @@ class LingbotPipeline:
         self.offloader.release()
         self.transformer = self.text_encoder = self.vae = self.processor = None
         self._prompt_cache.clear()
+        trim_heap()  # the tensors are already freed (no garbage collection needed); return their pages
 
     def _require_loaded(self):
         if self.transformer is None:

@@ -29,22 +29,36 @@ def _roots() -> List[str]:
 
 
 def list_packages() -> Dict[str, str]:
-    """``{display name: absolute folder}`` for every package found, first root wins on a name clash."""
+    """``{display name: absolute folder}`` for every package found, first root wins on a name clash.
+
+    Symlinked folders are followed (users link big downloads in), but never into one of their own
+    ancestors: a link loop (``loop -> ..``) would otherwise list every package again under
+    ``loop/``, ``loop/loop/``, ...
+    """
     found: Dict[str, str] = {}
     for root in _roots():
-        if not os.path.isdir(root):
-            continue
-        for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
-            rel = os.path.relpath(dirpath, root)
-            depth = 0 if rel == "." else rel.count(os.sep) + 1
-            if "model_index.json" in filenames and depth > 0:
-                found.setdefault(rel.replace(os.sep, "/"), dirpath)
-                dirnames[:] = []  # a package's subfolders are components, not packages
-            elif depth >= MAX_DEPTH:
-                dirnames[:] = []
-            else:
-                dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        if os.path.isdir(root):
+            _scan(root, "", (os.path.realpath(root),), found)
     return dict(sorted(found.items()))
+
+
+def _scan(folder: str, rel: str, ancestors: tuple, found: Dict[str, str]) -> None:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        path = os.path.join(folder, name)
+        if name.startswith(".") or not os.path.isdir(path):
+            continue
+        real = os.path.realpath(path)
+        if real in ancestors:
+            continue  # a link back up the tree
+        sub = f"{rel}/{name}" if rel else name
+        if os.path.isfile(os.path.join(path, "model_index.json")):
+            found.setdefault(sub, path)  # a package's subfolders are components, not packages
+        elif sub.count("/") + 1 < MAX_DEPTH:
+            _scan(path, sub, ancestors + (real,), found)
 
 
 def resolve_package(name: str) -> str:

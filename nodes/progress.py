@@ -7,6 +7,8 @@ import comfy.utils
 import latent_preview
 from comfy import latent_formats
 
+from .comfy_memory import free_comfy_models  # noqa: F401  (re-exported for the stage nodes)
+
 
 def step_callback(node_id=None, total: int = 1):
     """A ``callback(i, total, x0)`` for ``lingbot_core``: advances the node's progress bar (which is
@@ -27,9 +29,3 @@ def step_callback(node_id=None, total: int = 1):
         bar.update_absolute(step + 1, steps, preview)
 
     return callback
-
-
-def free_comfy_models() -> None:
-    """Let ComfyUI unload its own models before we put weights on the GPU (it cannot evict ours)."""
-    comfy.model_management.unload_all_models()
-    comfy.model_management.soft_empty_cache()

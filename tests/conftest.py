@@ -103,3 +103,33 @@ def chat_server():
     server = ChatCompletionsServer().start()
     yield server
     server.stop()
+
+
+# DiT configs for memory tests: few but wide layers, so writing the package is quick for its size.
+MEMORY_DIT = {"hidden_size": 1536, "num_attention_heads": 12, "axes_dims": [32, 48, 48], "depth": 3,
+              "intermediate_size": 6144}  # about 0.5 GiB per DiT in fp32
+MEMORY_DIT_MEDIUM = {"hidden_size": 512, "num_attention_heads": 4, "axes_dims": [32, 48, 48], "depth": 2,
+                     "intermediate_size": 2048}  # about 45 MiB per DiT
+
+
+@pytest.fixture(scope="session")
+def memory_packages(tmp_path_factory):
+    """Dense packages (with a refiner) big enough to measure RSS with; deleted after the session."""
+    import shutil
+
+    from lingbot_core.fixtures import write_package
+
+    root = tmp_path_factory.mktemp("memory-packages")
+    # fp32 on disk and on the CPU: no cast, so the weights stay memory-mapped (the path a release
+    # package takes on a GPU in bf16); they count in the RSS once read, and must leave it on release.
+    big = write_package(root / "lingbot-memory-big", fp32=True, seed=3, dit=MEMORY_DIT, refiner=False)
+    # The refiner is a hard link to the base DiT: half the writing. Memory tests only need two
+    # pipelines that are mapped separately; pages of a file mapped twice count twice in the RSS.
+    (big / "refiner").mkdir()
+    for f in (big / "transformer").iterdir():
+        os.link(f, big / "refiner" / f.name)
+    yield {
+        "big": big,
+        "medium": write_package(root / "lingbot-memory-medium", fp32=True, seed=4, dit=MEMORY_DIT_MEDIUM),
+    }
+    shutil.rmtree(root, ignore_errors=True)

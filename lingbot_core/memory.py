@@ -1,0 +1,160 @@
+"""Process memory: how much RAM is available, what a package will cost once loaded, and handing freed
+memory back to the operating system.
+
+Linux-first (``/proc``); elsewhere ``psutil`` when it is installed. Where neither answers, the
+functions return ``None`` and callers skip the RAM check instead of guessing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import json
+import logging
+import os
+import struct
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+logger = logging.getLogger("lingbot_core")
+
+GIB = 1024 ** 3
+MIB = 1024 ** 2
+
+# safetensors header dtype names -> bytes per element
+_SAFETENSORS_ITEMSIZE = {
+    "F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2,
+    "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "BOOL": 1,
+}
+_FLOAT_TAGS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _meminfo_kib(field: str) -> Optional[int]:
+    try:
+        with open("/proc/meminfo", "r", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def available_ram() -> Optional[int]:
+    """Bytes the system can still give to this process without swapping (Linux ``MemAvailable``)."""
+    kib = _meminfo_kib("MemAvailable")
+    if kib is not None:
+        return kib * 1024
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().available)
+
+
+def process_rss(pid: Optional[int] = None) -> Optional[int]:
+    """Resident set size of ``pid`` (default: this process) in bytes."""
+    path = f"/proc/{pid or 'self'}/status"
+    try:
+        with open(path, "r", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.Process(pid or os.getpid()).memory_info().rss)
+
+
+def _load_libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # glibc only (musl has none)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def trim_heap() -> None:
+    """Hand freed heap pages back to the OS (cheap; no garbage collection)."""
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def return_freed_memory() -> None:
+    """Collect unreachable objects now and hand freed heap pages back to the OS.
+
+    glibc keeps freed blocks below its (adaptive, up to 32 MiB) mmap threshold in the heap, so the
+    RSS of a process that just dropped hundreds of medium-size tensors stays high until
+    ``malloc_trim`` returns those pages.
+    """
+    gc.collect()
+    trim_heap()
+
+
+# -- what a package costs --------------------------------------------------------------------------
+
+
+def safetensors_header(path) -> Dict[str, dict]:
+    """The tensor table of a safetensors file (reads only its JSON header)."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > 100 * MIB:
+            raise ValueError(f"{path}: safetensors header of {n} bytes is not plausible.")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> int:
+    """Bytes the tensors of ``path`` take once loaded with floating tensors cast to ``dtype``.
+
+    ``keep_fp32(name)`` marks tensors that stay fp32 whatever ``dtype`` is (the DiT's fp32 islands).
+    """
+    target = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
+    total = 0
+    for name, info in safetensors_header(path).items():
+        count = 1
+        for d in info["shape"]:
+            count *= int(d)
+        tag = info["dtype"]
+        size = _SAFETENSORS_ITEMSIZE.get(tag, 4)
+        if tag in _FLOAT_TAGS and target is not None:
+            size = 4 if keep_fp32 is not None and keep_fp32(name) else target
+        total += count * size
+    return total
+
+
+def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype]) -> int:
+    """RAM the weights of one pipeline take at the given component dtypes (headers only, no weights read)."""
+    from .loading import safetensors_files
+    from .transformer import is_fp32_island
+
+    root = Path(model_dir)
+    total = 0
+    for sub, stem, dtype, islands in (
+        (transformer_subfolder, "diffusion_pytorch_model", dtypes["transformer"], is_fp32_island),
+        ("text_encoder", "model", dtypes["text_encoder"], None),
+        ("vae", "diffusion_pytorch_model", dtypes["vae"], None),
+    ):
+        for path in safetensors_files(root / sub, sub, stem):
+            total += tensor_bytes(path, dtype, islands)
+    return total
+
+
+def format_bytes(n: Optional[int]) -> str:
+    if n is None:
+        return "unknown"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"

@@ -1,0 +1,346 @@
+"""Lazy pipeline handles and the pool that loads, shares and frees their weights within a RAM budget.
+
+A :class:`LazyPipeline` is what a host hands around (ComfyUI's LINGBOT_PIPE): a package, a DiT
+subfolder, dtypes, a device and an offload mode, checked but not loaded. Its stage methods have the
+signatures of :class:`~lingbot_core.pipeline.LingbotPipeline`; the first one that runs loads the
+weights through the :class:`PipelinePool`. Handles with the same weights (same package, DiT,
+dtypes and device) share one loaded pipeline; a different offload mode only switches its hooks.
+
+The pool keeps loaded pipelines in least-recently-used order. Before it reads a package it makes
+room: while the new weights would not fit in the available RAM (or in an optional fixed budget), it
+releases the least recently used pipeline that is *idle*: not inside a stage, and not still needed
+by a consumer of the running job (see :meth:`PipelinePool.expect`). If room cannot be made, it
+refuses with an error that names the pipelines in the way, before reading a byte. A released
+pipeline's handles stay valid and load again when next used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections import OrderedDict
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
+
+import torch
+
+from .latents import LatentNormalizer
+from .loading import ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline
+from .memory import MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap
+from .offload import check_offload_mode, resolve_device
+from .pipeline import LingbotPipeline
+
+logger = logging.getLogger("lingbot_core")
+
+# RAM left free for activations, the host and the OS when deciding whether a package still fits.
+DEFAULT_HEADROOM = 1024 * MIB
+
+
+class MemoryBudgetError(RuntimeError):
+    """Loading a pipeline would exceed the RAM available and nothing idle is left to release."""
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """Which weights to load: equal specs share one loaded pipeline (the offload mode is not part of it)."""
+
+    model_dir: str
+    transformer_subfolder: str = "transformer"
+    dtypes: Tuple[Tuple[str, str], ...] = ()  # component -> dtype name, sorted; missing = the device default
+    device: str = "cpu"
+    options: Tuple[Tuple[str, object], ...] = field(default=())  # further load_pipeline keyword arguments
+
+    @classmethod
+    def create(cls, model_dir, transformer_subfolder: str = "transformer", dtypes: Optional[dict] = None,
+               device=None, **options) -> "PipelineSpec":
+        names = {}
+        for key, value in (dtypes or {}).items():
+            dt = _dtype(value)  # refuses unknown dtypes with a clear message
+            names[key] = str(dt).replace("torch.", "")
+        return cls(str(Path(model_dir)), transformer_subfolder, tuple(sorted(names.items())),
+                   str(resolve_device(device)), tuple(sorted(options.items())))
+
+    @property
+    def label(self) -> str:
+        return f"{Path(self.model_dir).name} ({self.transformer_subfolder})"
+
+    def load_dtypes(self) -> Dict[str, torch.dtype]:
+        chosen = default_dtypes(torch.device(self.device))
+        for key, name in self.dtypes:
+            chosen[key] = getattr(torch, name)
+        return chosen
+
+
+class PipelinePool:
+    """Loaded pipelines by :class:`PipelineSpec`, evicted least-recently-used-idle-first within a budget.
+
+    ``budget`` (bytes) caps the summed weight bytes of loaded pipelines; ``None`` leaves only the
+    available-RAM check. ``headroom`` is kept free of weights. ``observer`` (optional) is told when
+    weights are about to be placed, loaded and released: hosts use it to let their own memory
+    manager make room and to see the pack's pipelines (see ``nodes/comfy_memory.py``).
+    ``caller`` (optional) returns ``(job id, node id)`` of whoever is using a handle right now.
+    """
+
+    def __init__(self, budget: Optional[int] = None, headroom: int = DEFAULT_HEADROOM, observer=None,
+                 caller: Optional[Callable[[], Optional[Tuple[str, str]]]] = None):
+        self.budget = budget
+        self.headroom = headroom
+        self.observer = observer
+        self.caller = caller
+        self._loaded: "OrderedDict[PipelineSpec, LingbotPipeline]" = OrderedDict()
+        self._bytes: Dict[PipelineSpec, int] = {}
+        self._in_use: Dict[PipelineSpec, int] = {}
+        self._job: Optional[str] = None
+        self._pending: Dict[PipelineSpec, set] = {}  # consumers of the current job that have not used it yet
+        self._lock = threading.RLock()
+
+    # -- handles ---------------------------------------------------------------------------------
+
+    def handle(self, model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
+               dtypes: Optional[dict] = None, device=None, **options) -> "LazyPipeline":
+        """Check the package (headers only) and return a handle; no weight is read here."""
+        check_offload_mode(offload)
+        spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, **options)
+        if not self.is_loaded(spec):  # a loaded pipeline needs no files: switching offload reads nothing
+            root = check_package(model_dir, transformer_subfolder)
+            check_transformer(root / transformer_subfolder, transformer_subfolder)
+        return LazyPipeline(self, spec, offload)
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def loaded(self) -> Tuple[PipelineSpec, ...]:
+        with self._lock:
+            return tuple(self._loaded)
+
+    def is_loaded(self, spec: PipelineSpec) -> bool:
+        return spec in self._loaded
+
+    def weight_bytes(self, spec: PipelineSpec) -> int:
+        """The RAM the weights of ``spec`` take (from the safetensors headers; cached)."""
+        if spec not in self._bytes:
+            self._bytes[spec] = package_bytes(spec.model_dir, spec.transformer_subfolder, spec.load_dtypes())
+        return self._bytes[spec]
+
+    def in_use(self, spec: PipelineSpec) -> bool:
+        return self._in_use.get(spec, 0) > 0
+
+    def needed(self, spec: PipelineSpec) -> bool:
+        """True while a consumer announced for the running job has not used ``spec`` yet."""
+        return bool(self._pending.get(spec))
+
+    # -- the running job's needs -----------------------------------------------------------------
+
+    def expect(self, spec: PipelineSpec, job: str, consumers: Iterable[str]) -> None:
+        """Announce that ``consumers`` (node ids) of job ``job`` will use ``spec``: until each of them has
+        used it (or the job changes, or it is released on purpose), it is not evicted to make room."""
+        with self._lock:
+            self._enter_job(job)
+            self._pending.setdefault(spec, set()).update(str(c) for c in consumers)
+
+    def _enter_job(self, job: Optional[str]) -> None:
+        if job != self._job:
+            self._job = job
+            self._pending.clear()
+
+    def _note_caller(self, spec: PipelineSpec) -> None:
+        who = self.caller() if self.caller is not None else None
+        if who is None:
+            return
+        job, node = who
+        self._enter_job(job)
+        pending = self._pending.get(spec)
+        if pending is not None:
+            pending.discard(str(node))
+
+    # -- loading and using -----------------------------------------------------------------------
+
+    @contextmanager
+    def use(self, handle: "LazyPipeline") -> Iterator[LingbotPipeline]:
+        """The loaded pipeline for ``handle`` (loaded now if needed), placed in the handle's offload mode.
+        It cannot be evicted while the block runs."""
+        spec = handle.spec
+        with self._lock:
+            self._note_caller(spec)
+            pipe = self._loaded.get(spec)
+            if pipe is None:
+                pipe = self._load(spec, handle.offload)
+            else:
+                self._loaded.move_to_end(spec)
+            self._in_use[spec] = self._in_use.get(spec, 0) + 1
+        try:
+            if pipe.offload != handle.offload:
+                self._placing()
+                pipe.set_offload(handle.offload)
+            if self.observer is not None:
+                self.observer.using(spec, pipe)
+            yield pipe
+        finally:
+            with self._lock:
+                self._in_use[spec] -= 1
+            trim_heap()  # a stage's freed activations would otherwise stay in the process's RSS
+
+    def _placing(self) -> None:
+        if self.observer is not None:
+            self.observer.placing()
+
+    def _load(self, spec: PipelineSpec, offload: str) -> LingbotPipeline:
+        need = self.weight_bytes(spec)
+        self._make_room(spec, need)
+        self._placing()
+        logger.info("LingBot-Video: loading %s (%s of weights, offload=%s).", spec.label, format_bytes(need), offload)
+        try:
+            pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
+                                 device=spec.device, dtypes=spec.load_dtypes(), **dict(spec.options))
+        except BaseException:
+            return_freed_memory()  # whatever was read before the failure
+            raise
+        self._loaded[spec] = pipe
+        if self.observer is not None:
+            self.observer.loaded(spec, pipe)
+        return pipe
+
+    def _fits(self, need: int) -> Tuple[bool, str]:
+        if self.budget is not None:
+            held = sum(self._bytes.get(s, 0) for s in self._loaded)
+            if held + need > self.budget:
+                return False, f"the RAM budget of {format_bytes(self.budget)} ({format_bytes(held)} already loaded)"
+        avail = available_ram()
+        if avail is not None and need + self.headroom > avail:
+            return False, f"the {format_bytes(avail)} of RAM available (keeping {format_bytes(self.headroom)} free)"
+        return True, ""
+
+    def _make_room(self, spec: PipelineSpec, need: int) -> None:
+        fits, why = self._fits(need)
+        while not fits:
+            victim = next((s for s in self._loaded if not self.in_use(s) and not self.needed(s)), None)
+            if victim is None:
+                break
+            self._release(victim, f"to make room for {spec.label}")
+            fits, why = self._fits(need)
+        if fits:
+            return
+        blocking = [f"{s.label}, {format_bytes(self._bytes.get(s))}"
+                    + (" (running)" if self.in_use(s) else f" (still needed by node(s) {', '.join(sorted(self._pending[s]))})")
+                    for s in self._loaded]
+        held = ("; loaded and still needed by this run: " + "; ".join(blocking)) if blocking else ""
+        raise MemoryBudgetError(
+            f"loading {spec.label} needs about {format_bytes(need)} of RAM for its weights, which exceeds {why}{held}. "
+            "Put an UnloadLingbotPipeline after the last node that uses a pipeline, choose a lower precision "
+            "(dit_precision / text_encoder_precision), or close other programs."
+            + (" The budget comes from LINGBOT_RAM_BUDGET_GB." if self.budget is not None else "")
+        )
+
+    # -- releasing -------------------------------------------------------------------------------
+
+    def release(self, spec: PipelineSpec, reason: str = "released", by_host: bool = False) -> bool:
+        """Free the weights of ``spec`` now (handles stay valid and reload). False if it was not loaded
+        or is inside a stage right now (then nothing is freed)."""
+        with self._lock:
+            if spec not in self._loaded:
+                return False
+            if self.in_use(spec):
+                logger.info("LingBot-Video: %s is running; not released.", spec.label)
+                return False
+            self._release(spec, reason, by_host)
+            return True
+
+    def release_idle(self, reason: str = "released", by_host: bool = False) -> int:
+        """Free every pipeline that is not inside a stage; returns how many were freed."""
+        with self._lock:
+            idle = [s for s in self._loaded if not self.in_use(s)]
+            for spec in idle:
+                self._release(spec, reason, by_host)
+            return len(idle)
+
+    def _release(self, spec: PipelineSpec, reason: str, by_host: bool = False) -> None:
+        before = process_rss()
+        pipe = self._loaded.pop(spec)
+        pipe.release()  # hooks removed, tensors dropped, garbage collected, heap trimmed
+        del pipe
+        if self.observer is not None:
+            self.observer.released(spec, by_host)
+        after = process_rss()
+        logger.info("LingBot-Video: %s %s: %s of weights freed; process RSS %s -> %s.", reason, spec.label,
+                    format_bytes(self._bytes.get(spec)), format_bytes(before), format_bytes(after))
+
+
+class LazyPipeline:
+    """A pipeline that loads its weights the first time a stage needs them (see the module docstring).
+
+    The stage and run methods take the arguments of :class:`~lingbot_core.pipeline.LingbotPipeline`.
+    """
+
+    def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str):
+        self.pool = pool
+        self.spec = spec
+        self.offload = check_offload_mode(offload)
+        self._normalizer: Optional[LatentNormalizer] = None
+
+    def __repr__(self) -> str:
+        state = "loaded" if self.loaded else "not loaded"
+        return f"LazyPipeline({self.spec.label}, offload={self.offload}, {state})"
+
+    @property
+    def loaded(self) -> bool:
+        return self.pool.is_loaded(self.spec)
+
+    @property
+    def is_refiner(self) -> bool:
+        return self.spec.transformer_subfolder == "refiner"
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self.spec.device)
+
+    @property
+    def normalizer(self) -> LatentNormalizer:
+        """VAE <-> DiT latent space, from ``vae/config.json`` (no weights needed)."""
+        if self._normalizer is None:
+            path = Path(self.spec.model_dir) / "vae" / "config.json"
+            try:
+                cfg = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as e:
+                raise ModelPackageError(f"vae: could not read {path}: {e}") from None
+            self._normalizer = LatentNormalizer(cfg.get("latents_mean"), cfg.get("latents_std"))
+        return self._normalizer
+
+    def set_offload(self, mode: str) -> None:
+        """Use ``mode`` from the next stage on; loaded weights are re-hooked, not reloaded."""
+        self.offload = check_offload_mode(mode)
+
+    def release(self) -> bool:
+        """Free the weights now; the next stage loads them again. False when nothing was loaded."""
+        self.pool._note_caller(self.spec)
+        return self.pool.release(self.spec, "unloaded")
+
+    def _run(self, method: str, *args, **kwargs):
+        with self.pool.use(self) as pipe:
+            return getattr(pipe, method)(*args, **kwargs)
+
+    def encode_prompt(self, *args, **kwargs):
+        return self._run("encode_prompt", *args, **kwargs)
+
+    def encode_image(self, *args, **kwargs):
+        return self._run("encode_image", *args, **kwargs)
+
+    def encode_video(self, *args, **kwargs):
+        return self._run("encode_video", *args, **kwargs)
+
+    def denoise(self, *args, **kwargs):
+        return self._run("denoise", *args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        return self._run("decode", *args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        if self.is_refiner:  # refuse before loading anything
+            raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
+        return self._run("generate", *args, **kwargs)
+
+    def refine(self, *args, **kwargs):
+        if not self.is_refiner:
+            raise ValueError("Refine needs the refiner DiT: load the MoE package with transformer='refiner'.")
+        return self._run("refine", *args, **kwargs)
