@@ -7,7 +7,6 @@ import comfy.utils
 import latent_preview
 from comfy import latent_formats
 
-from .comfy_memory import free_comfy_models  # noqa: F401  (re-exported for the stage nodes)
 
 
 def step_callback(node_id=None, total: int = 1):

@@ -7,7 +7,8 @@ import logging
 from ..lingbot_core import parse_prompt
 from ..lingbot_core.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
 from ..lingbot_core.text_conditioning import frames_for_prompt, negative_from_widget
-from .progress import free_comfy_models, step_callback
+from .comfy_memory import free_comfy_models
+from .progress import step_callback
 
 logger = logging.getLogger("lingbot_video_nodes")
 

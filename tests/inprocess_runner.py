@@ -129,7 +129,7 @@ def _key(components) -> str:
 
 
 class Observer:
-    """Residency tracker + fake accelerator around every pipeline the loader node returns."""
+    """Residency tracker + fake accelerator around every pipeline a stage uses (loaded lazily by the pack)."""
 
     def __init__(self, comfy, package_dir):
         from fake_accelerator import point_hooks_at, recording_transfers
@@ -161,16 +161,18 @@ class Observer:
 
         sys.addaudithook(audit)
 
-        cls = comfy.node_class("LoadLingbotPipeline")
-        orig_load = cls.load
+        # The loader returns a lazy handle; the pack's pipeline pool hands the loaded pipeline to its
+        # observer each time a stage uses it (after any offload change): instrument it there.
+        loader = comfy.node_class("LoadLingbotPipeline")
+        pool_observer = sys.modules[loader.__module__.rsplit(".", 1)[0] + ".comfy_memory"].pipe_pool().observer
+        orig_using = pool_observer.using
         observer = self
 
-        def load(self, *args, **kwargs):
-            out = orig_load(self, *args, **kwargs)
-            observer.instrument(out[0])
-            return out
+        def using(spec, pipe):
+            orig_using(spec, pipe)
+            observer.instrument(pipe)
 
-        cls.load = load  # test instrumentation of the node class, in this child process only
+        pool_observer.using = using  # test instrumentation of the pool's observer, in this child process only
         comfy.server.listeners.append(self.on_message)
 
     def instrument(self, pipe):
