@@ -15,7 +15,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .offload import check_offload_mode, resolve_device
+from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .scheduling import load_scheduler_config
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
@@ -157,7 +157,7 @@ def _check_readable(path: Path, component: str) -> None:
 
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-                  device=None, dtypes: Optional[dict] = None) -> LingbotPipeline:
+                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
@@ -168,6 +168,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
     check_offload_mode(offload)
+    check_blocks_on_gpu(blocks_on_gpu)
     device = resolve_device(device)
     chosen = default_dtypes(device)
     for key, value in (dtypes or {}).items():
@@ -201,5 +202,5 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         logger.info("scheduler_config.json has shift=%s; ignored (the shift is a sampling argument).", scheduler_config["shift"])
     return LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
-        transformer_subfolder=transformer_subfolder, offload=offload, device=device,
+        transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
     )

@@ -22,7 +22,7 @@ from .latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
-from .offload import Offloader, check_offload_mode, resolve_device
+from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
 from .scheduling import refiner_sigmas, shifted_sigmas
@@ -96,7 +96,7 @@ class LingbotPipeline:
 
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
-                 offload: str = "none", device=None):
+                 offload: str = "none", device=None, blocks_on_gpu: int = 0):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -115,6 +115,7 @@ class LingbotPipeline:
                 # The MoE feed-forward reads raw expert weights; its container never runs a forward.
                 "transformer": ["MoEFeedForward"],
             },
+            blocks_on_gpu=blocks_on_gpu,
         )
         self.offloader.apply(offload, resolve_device(device))
 
@@ -133,10 +134,13 @@ class LingbotPipeline:
     def is_refiner(self) -> bool:
         return self.transformer_subfolder == "refiner"
 
-    def set_offload(self, mode: str, device=None) -> None:
-        """Switch offload mode on the loaded weights (old hooks are removed first; no reload)."""
+    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None) -> None:
+        """Switch offload mode on the loaded weights (old hooks are removed first; no reload).
+        ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
         self._require_loaded()
         check_offload_mode(mode)
+        if blocks_on_gpu is not None:
+            self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
 
     def release(self) -> None:
