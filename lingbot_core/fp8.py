@@ -12,8 +12,10 @@ The scale only moves the largest magnitude to just under the format's maximum. C
 elsewhere (any positive scale) load too.
 
 Quantized: the Linear weights inside the transformer blocks (attention projections, dense FFN, MoE
-experts, shared expert). Everything else keeps its load dtype: fp32 islands (norms, modulation, time
-MLPs, router), biases, the patch/text embedders and the output projection.
+experts, shared expert). The fp32 islands that the DiT computes in fp32 (norms, ``scale_shift_table``,
+the router) stay fp32; the island *Linears* (time MLPs, modulation linears) are stored in bf16, which
+changes no number: their forward casts the weights to the bf16 compute dtype anyway. Biases, the
+patch/text embedders and the output projection are bf16.
 """
 
 from __future__ import annotations
@@ -36,6 +38,15 @@ _QUANTIZED_SUFFIXES = (
     ".ffn.shared_experts.gate_proj.weight", ".ffn.shared_experts.up_proj.weight",
     ".ffn.shared_experts.down_proj.weight",
 )
+
+
+# fp32-island Linears whose forward runs in the compute dtype: bf16 storage is exact for them.
+_COMPUTE_DTYPE_ISLANDS = ("time_embedder.", "time_modulation.", "norm_out_modulation.")
+
+
+def stored_in_compute_dtype(name: str) -> bool:
+    """Whether an fp32-island tensor is stored in bf16 under an fp8 precision (see the module doc)."""
+    return name.startswith(_COMPUTE_DTYPE_ISLANDS)
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

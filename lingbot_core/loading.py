@@ -18,7 +18,7 @@ import torch
 
 from .fp8 import (
     FP8_COMPUTE_DTYPE, FP8_DTYPES, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_name,
-    scale_shape,
+    scale_shape, stored_in_compute_dtype,
 )
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
@@ -88,7 +88,7 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
 
     Every name and shape is checked; fp32 islands stay fp32 whatever ``dtype`` is. With an fp8
     ``dtype`` the block Linear weights are stored in fp8 with a scale (:mod:`lingbot_core.fp8`), the
-    other non-island tensors in bf16. fp8 checkpoints (fp8 ``weight`` + ``scale_weight``, ComfyUI's
+    other tensors in bf16 except the islands computed in fp32. fp8 checkpoints (fp8 ``weight`` + ``scale_weight``, ComfyUI's
     "fp8 scaled" convention) load under any ``dtype``.
     """
     from safetensors import SafetensorError
@@ -145,7 +145,7 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
                     except ValueError as e:
                         raise ModelPackageError(f"{name}: {e}") from None
                 if is_fp32_island(key):
-                    target = torch.float32
+                    target = plain if fp8 and stored_in_compute_dtype(key) else torch.float32
                 elif fp8 and is_quantized_name(key):
                     target = dtype
                 else:
