@@ -126,6 +126,11 @@ class LingbotPipeline:
         return self.offloader.mode
 
     @property
+    def blocks_on_gpu(self) -> int:
+        """DiT blocks kept resident under offload ``block``."""
+        return self.offloader.blocks_on_gpu
+
+    @property
     def device(self) -> torch.device:
         """The execution device (where stages compute), whatever the offload mode."""
         return self.offloader.device

@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import comfy.model_management
 
-from ..lingbot_core import OFFLOAD_MODES, load_pipeline
+from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES, load_pipeline
 from ..lingbot_core.loading import check_package
 from .model_folders import list_packages, resolve_package
 from .progress import free_comfy_models
@@ -15,6 +15,7 @@ from .progress import free_comfy_models
 logger = logging.getLogger("lingbot_video_nodes")
 
 PRECISIONS = ["auto", "bf16", "fp16", "fp32"]
+DIT_PRECISIONS = ["auto", *DIT_DTYPES]  # adds the core's fp8 storage choices
 VAE_PRECISIONS = ["fp32", "bf16", "fp16"]
 
 
@@ -96,26 +97,30 @@ class LoadLingbotPipeline:
                 "transformer": (["transformer", "refiner"], {"default": "transformer",
                                 "tooltip": "'transformer' generates; 'refiner' (MoE package only) loads the refiner DiT for the Refine node."}),
                 "offload": (list(OFFLOAD_MODES), {"default": "model",
-                            "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest)."}),
-                "dit_precision": (PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp32 islands (norms, modulation, router) always stay fp32."}),
+                            "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest). block: like model, but the DiT is streamed block by block with the next block prefetched (blocks_on_gpu blocks stay resident)."}),
+                "dit_precision": (DIT_PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp8_e4m3fn / fp8_e5m2 store the block weights in fp8 (half the RAM, VRAM and transfer of bf16, computed in bf16). fp32 islands (norms, modulation, router) always stay fp32."}),
                 "text_encoder_precision": (PRECISIONS, {"default": "auto", "tooltip": "Qwen3-VL text encoder dtype. auto = bf16 on GPU, fp32 on CPU."}),
                 "vae_precision": (VAE_PRECISIONS, {"default": "fp32", "tooltip": "Wan VAE dtype; fp32 is the reference setting."}),
-            }
+            },
+            "optional": {
+                "blocks_on_gpu": ("INT", {"default": 0, "min": 0, "max": MAX_BLOCKS_ON_GPU,
+                                  "tooltip": "offload 'block' only: DiT blocks kept on the GPU (the others are streamed). 0 = least VRAM; each block is about 0.1 GiB (dense, bf16) or 1.2 GiB (MoE, bf16)."}),
+            },
         }
 
     @classmethod
-    def IS_CHANGED(cls, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision):
+    def IS_CHANGED(cls, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision, blocks_on_gpu=0):
         # Re-run when the cached pipeline for these settings was released (e.g. evicted for another model).
         try:
             key = _key(model, transformer, dit_precision, text_encoder_precision, vae_precision)
         except ValueError:
             return float("nan")
-        return f"{PIPELINES.token(key)}:{offload}"
+        return f"{PIPELINES.token(key)}:{offload}:{blocks_on_gpu}"
 
-    def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision):
+    def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision, blocks_on_gpu=0):
         if offload not in OFFLOAD_MODES:  # 0.3.75 does not validate every combo itself
             raise ValueError(f"offload={offload!r} is not valid; choose one of {', '.join(OFFLOAD_MODES)}.")
-        for name, value, allowed in (("dit_precision", dit_precision, PRECISIONS),
+        for name, value, allowed in (("dit_precision", dit_precision, DIT_PRECISIONS),
                                      ("text_encoder_precision", text_encoder_precision, PRECISIONS),
                                      ("vae_precision", vae_precision, VAE_PRECISIONS),
                                      ("transformer", transformer, ["transformer", "refiner"])):
@@ -125,9 +130,9 @@ class LoadLingbotPipeline:
         device = comfy.model_management.get_torch_device()
         pipe = PIPELINES.get(key)
         if pipe is not None:
-            if pipe.offload != offload:
+            if pipe.offload != offload or (offload == "block" and pipe.blocks_on_gpu != blocks_on_gpu):
                 free_comfy_models()
-                pipe.set_offload(offload, device)
+                pipe.set_offload(offload, device, blocks_on_gpu=blocks_on_gpu)
             return (pipe,)
         check_package(key[0], transformer)  # a broken folder must not cost a working pipeline its place
         PIPELINES.make_room()
@@ -137,7 +142,8 @@ class LoadLingbotPipeline:
             dtypes["transformer"] = dit_precision
         if text_encoder_precision != "auto":
             dtypes["text_encoder"] = text_encoder_precision
-        pipe = load_pipeline(key[0], transformer_subfolder=transformer, offload=offload, device=device, dtypes=dtypes)
+        pipe = load_pipeline(key[0], transformer_subfolder=transformer, offload=offload, device=device, dtypes=dtypes,
+                             blocks_on_gpu=blocks_on_gpu)
         PIPELINES.put(key, pipe)
         return (pipe,)
 
