@@ -56,10 +56,15 @@ def before(ffn: MoEFeedForward, f: torch.Tensor, dtype: torch.dtype) -> torch.Te
     return out.reshape(shape)
 
 
-def build(device: torch.device, seed: int = 0) -> MoEFeedForward:
+# A small MoE block for smoke runs (same routing structure, 64x fewer expert weights).
+TINY_CFG = dict(MOE_CFG, num_experts=32, moe_intermediate_size=96)
+TINY_DIM = 256
+
+
+def build(device: torch.device, seed: int = 0, cfg: dict = MOE_CFG, dim: int = DIM) -> MoEFeedForward:
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        ffn = MoEFeedForward(DIM, MOE_CFG)
+        ffn = MoEFeedForward(dim, cfg)
     for module in ffn.modules():
         for name, p in list(module._parameters.items()) + list(module._buffers.items()):
             if p is None:
@@ -78,10 +83,11 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def run(device="cpu", tokens: int = 3400, repeats: int = 5, seed: int = 0) -> dict:
+def run(device="cpu", tokens: int = 3400, repeats: int = 5, seed: int = 0, tiny: bool = False) -> dict:
     device = torch.device(device)
-    ffn = build(device, seed)
-    f = (torch.randn(1, tokens, DIM, generator=torch.Generator().manual_seed(seed + 1)) * 1.0).to(torch.bfloat16).to(device)
+    dim = TINY_DIM if tiny else DIM
+    ffn = build(device, seed, TINY_CFG if tiny else MOE_CFG, dim)
+    f = (torch.randn(1, tokens, dim, generator=torch.Generator().manual_seed(seed + 1)) * 1.0).to(torch.bfloat16).to(device)
     variants = {"before": lambda: before(ffn, f, torch.bfloat16)}
     grouped_ok = hasattr(torch, "_grouped_mm")
     for name, grouped in (("grouped", True), ("slices", False)):
@@ -103,7 +109,7 @@ def run(device="cpu", tokens: int = 3400, repeats: int = 5, seed: int = 0) -> di
                 times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     report = {
-        "device": str(device), "tokens": tokens, "repeats": repeats, "torch": torch.__version__,
+        "device": str(device), "tokens": tokens, "size": "tiny" if tiny else "full", "repeats": repeats, "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
