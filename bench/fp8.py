@@ -34,6 +34,10 @@ DIT_VERSION = 1
 
 
 def _peak_rss_mib() -> float:
+    """VmHWM: this process's own peak (``ru_maxrss`` would include the parent's peak from before the exec)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
@@ -236,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--json")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
-    p.add_argument("--precision", help=argparse.SUPPRESS)
+    p.add_argument("--load-only", action="store_true", help="only the bytes / load peak RSS part")
     args, rest = p.parse_known_args(argv)
     if args._child:
         kind, folder, path = args._child
@@ -249,8 +253,11 @@ def main(argv=None) -> int:
     for precision in ("bf16", "fp8_e4m3fn"):
         report["load"][precision] = _child("load", str(folder), precision)
         print(f"[bench.fp8] load {precision}: {report['load'][precision]}", file=sys.stderr, flush=True)
-    report["error"] = _child("error", str(folder))
-    print(markdown(report))
+    if args.load_only:
+        print(json.dumps(report, indent=2))
+    else:
+        report["error"] = _child("error", str(folder))
+        print(markdown(report))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
     return 0

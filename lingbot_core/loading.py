@@ -137,7 +137,8 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
                         f"{name}: tensor {key!r} in {reader.path.name} has shape {list(shape)}, but config.json "
                         f"implies {list(expected[key])}. The weights do not match the config."
                     )
-                tensor = reader.get(key)
+                converted = fp8 and is_quantized_name(key)  # read into a reused buffer: only the fp8 copy is kept
+                tensor = reader.get(key, scratch=converted)
                 scale = None
                 if key in stored_scales:
                     try:
@@ -154,9 +155,9 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
                     shard[key] = tensor
                 elif target == dtype and fp8:
                     if tensor.dtype == dtype and scale is not None:
-                        shard[key], scales[key] = tensor, scale  # already stored as wanted
+                        shard[key], scales[key] = tensor.clone(), scale  # already stored as wanted
                     elif tensor.dtype == dtype:
-                        shard[key], scales[key] = tensor, checkpoint_scale(key, torch.ones(()), shape)
+                        shard[key], scales[key] = tensor.clone(), checkpoint_scale(key, torch.ones(()), shape)
                     else:
                         source = dequantize(tensor, scale, FP8_COMPUTE_DTYPE) if (scale is not None or is_fp8(tensor.dtype)) else tensor
                         shard[key], scales[key] = quantize(source, dtype, scale_shape(key, shape))
@@ -213,6 +214,7 @@ class SafetensorsReader:
                 raise ModelPackageError(f"{self.path.name} has an invalid safetensors header ({e}).") from None
         header.pop("__metadata__", None)
         self._start = 8 + n
+        self._scratch = torch.empty(0, dtype=torch.uint8)
         self._entries = {}
         for key, info in header.items():
             dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
@@ -231,9 +233,17 @@ class SafetensorsReader:
     def shape(self, key: str):
         return self._entries[key][1]
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, scratch: bool = False) -> torch.Tensor:
+        """The tensor ``key``. With ``scratch`` it lives in a buffer that the next scratch read reuses
+        (for tensors that are converted right away): repeated large reads then reuse one allocation
+        instead of leaving freed blocks in the C heap."""
         dtype, shape, begin, end = self._entries[key]
-        buf = torch.empty(end - begin, dtype=torch.uint8)
+        if scratch:
+            if self._scratch.numel() < end - begin:
+                self._scratch = torch.empty(end - begin, dtype=torch.uint8)
+            buf = self._scratch[:end - begin]
+        else:
+            buf = torch.empty(end - begin, dtype=torch.uint8)
         with open(self.path, "rb") as f:
             f.seek(self._start + begin)
             if f.readinto(memoryview(buf.numpy())) != end - begin:
