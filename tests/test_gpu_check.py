@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_tiny_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--size", "tiny", "--out", str(out)],
+    proc = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--size", "tiny", "--steps", "1",
+                           "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     report = json.loads((out / "gpu-check.json").read_text())
