@@ -109,8 +109,8 @@ def _resident_during_forward(dit, mode: str, k: int) -> int:
 
     from lingbot_core.offload import Offloader, StreamUnit
 
-    off = Offloader({"transformer": dit}, preload={"transformer": ["MoEFeedForward"]}, blocks_on_gpu=k)
-    off.apply(mode, "cpu")
+    offloader = Offloader({"transformer": dit}, preload={"transformer": ["MoEFeedForward"]}, blocks_on_gpu=k)
+    offloader.apply(mode, "cpu")
     state = {"now": 0, "peak": 0 if mode in ("sequential", "block") else _state_bytes(dit)}
 
     def nbytes(module, recurse):
@@ -138,22 +138,18 @@ def _resident_during_forward(dit, mode: str, k: int) -> int:
             bump(unit.nbytes)
         return o_on(unit, device, stream)
 
-    def off(unit):
+    def unit_off(unit):
         if unit.on_device:
             bump(-unit.nbytes)
         return o_off(unit)
 
     x, t, e = _dit_input(dit)
     with mock.patch.object(AlignDevicesHook, "pre_forward", pre), mock.patch.object(AlignDevicesHook, "post_forward", post), \
-            mock.patch.object(StreamUnit, "onload", on), mock.patch.object(StreamUnit, "offload", off), torch.no_grad():
-        with off_stage(off):
+            mock.patch.object(StreamUnit, "onload", on), mock.patch.object(StreamUnit, "offload", unit_off), torch.no_grad():
+        with offloader.stage():
             dit(x, t, e)
-    off.remove_hooks()
+    offloader.remove_hooks()
     return state["peak"]
-
-
-def off_stage(offloader):
-    return offloader.stage()
 
 
 def child_error_and_residency(folder: str) -> dict:
