@@ -72,6 +72,26 @@ def ensure_dit(workdir: Path) -> Path:
     return root
 
 
+def truncated_dit(folder: Path, depth: int) -> Path:
+    """A copy of the DiT with only its first ``depth`` blocks (full width), for runs that must stay
+    under 3 GB of RAM; read and written tensor by tensor."""
+    from safetensors.torch import save_file
+
+    from lingbot_core.loading import SafetensorsReader
+
+    out = folder.parent / f"{folder.name}-depth{depth}"
+    if (out / "diffusion_pytorch_model.safetensors").is_file():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["depth"] = depth
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    reader = SafetensorsReader(folder / "diffusion_pytorch_model.safetensors")
+    keep = [k for k in reader.keys() if not k.startswith("blocks.") or int(k.split(".")[1]) < depth]
+    save_file({k: reader.get(k) for k in keep}, str(out / "diffusion_pytorch_model.safetensors"))
+    return out
+
+
 def _state_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
 
@@ -237,6 +257,8 @@ def main(argv=None) -> int:
     p.add_argument("--json")
     p.add_argument("--_child", nargs=3, help=argparse.SUPPRESS)
     p.add_argument("--load-only", action="store_true", help="only the bytes / load peak RSS part")
+    p.add_argument("--error-depth", type=int, default=None,
+                   help="run the error/residency part on the first N blocks only (full width; RAM under 3 GB)")
     args, rest = p.parse_known_args(argv)
     if args._child:
         kind, folder, path = args._child
@@ -246,6 +268,13 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(REPO))
     folder = ensure_dit(Path(args.workdir).expanduser())
     report = {"dit": str(folder), "load": {}}
+    if args.error_depth:
+        report["error_depth"] = args.error_depth
+        report["error"] = _child("error", str(truncated_dit(folder, args.error_depth)))
+        print(json.dumps(report, indent=2))
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        return 0
     for precision in ("bf16", "fp8_e4m3fn"):
         report["load"][precision] = _child("load", str(folder), precision)
         print(f"[bench.fp8] load {precision}: {report['load'][precision]}", file=sys.stderr, flush=True)
