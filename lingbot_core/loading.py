@@ -194,9 +194,10 @@ _SAFETENSORS_DTYPES = {
 
 
 class SafetensorsReader:
-    """Reads one safetensors file tensor by tensor with plain file reads (no memory map), so that
-    converting a checkpoint (e.g. bf16 -> fp8) holds only the converted tensors plus the one being read.
-    The header (JSON) is validated against the file size; nothing in the file is executed."""
+    """One safetensors file, tensor by tensor. Tensors kept as they are come memory-mapped (safetensors'
+    own reader: no copy, file-backed pages); tensors that are converted right away (bf16 -> fp8) are
+    read with plain file reads into one reused buffer, so a conversion holds only its results plus the
+    tensor being read. The header (JSON) is validated against the file size; nothing is executed."""
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -215,6 +216,7 @@ class SafetensorsReader:
         header.pop("__metadata__", None)
         self._start = 8 + n
         self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._mapped = None
         self._entries = {}
         for key, info in header.items():
             dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
@@ -234,16 +236,19 @@ class SafetensorsReader:
         return self._entries[key][1]
 
     def get(self, key: str, scratch: bool = False) -> torch.Tensor:
-        """The tensor ``key``. With ``scratch`` it lives in a buffer that the next scratch read reuses
-        (for tensors that are converted right away): repeated large reads then reuse one allocation
-        instead of leaving freed blocks in the C heap."""
+        """The tensor ``key``, memory-mapped; with ``scratch``, read into a buffer that the next scratch
+        read reuses (for tensors converted right away: one allocation instead of one per tensor, which
+        would leave freed blocks in the C heap)."""
         dtype, shape, begin, end = self._entries[key]
-        if scratch:
-            if self._scratch.numel() < end - begin:
-                self._scratch = torch.empty(end - begin, dtype=torch.uint8)
-            buf = self._scratch[:end - begin]
-        else:
-            buf = torch.empty(end - begin, dtype=torch.uint8)
+        if not scratch:
+            from safetensors import safe_open
+
+            if self._mapped is None:
+                self._mapped = safe_open(str(self.path), framework="pt", device="cpu")
+            return self._mapped.get_tensor(key)
+        if self._scratch.numel() < end - begin:
+            self._scratch = torch.empty(end - begin, dtype=torch.uint8)
+        buf = self._scratch[:end - begin]
         with open(self.path, "rb") as f:
             f.seek(self._start + begin)
             if f.readinto(memoryview(buf.numpy())) != end - begin:
