@@ -217,9 +217,10 @@ class Experts(nn.Module):
         return dequantize(w, scale, dtype)
 
 
-# Device types on which ``torch._grouped_mm`` was checked to give the same bits as one matmul per
-# expert (tests/test_moe_dispatch.py). Elsewhere the experts run one matmul per contiguous slice.
-GROUPED_MM_DEVICES = frozenset({"cpu"})
+# Device types on which the experts run as one ``torch._grouped_mm`` per weight stack. On CPU it gives
+# the same bits but was slower than one matmul per expert (bench/moe_ffn.py, docs/benchmarks.md), so it
+# is off until a device shows a gain (scripts/gpu-check measures CUDA).
+GROUPED_MM_DEVICES = frozenset()
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -230,45 +231,50 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
                 grouped: Optional[bool] = None) -> torch.Tensor:
     """Sum over the selected experts of ``gate * expert(x)``, in fp32, for tokens ``x`` (N, D) bf16.
 
-    The (token, expert) pairs are sorted by expert once; each expert runs on its contiguous slice
-    (``torch._grouped_mm`` where exact, else one matmul per non-empty slice after a single host sync
-    for the slice sizes). Each token then sums its experts' contributions in ascending expert id,
-    starting from zero: the order, and so the bits, of the per-expert ``index_add_`` it replaces.
+    The (token, expert) pairs are sorted by expert once (stably: tokens stay ascending within an
+    expert), so each expert reads a contiguous slice, and the slice sizes need one host sync per call
+    instead of one scan and sync per expert. Each expert's weighted output is added into the fp32 sum
+    in ascending expert id: per token the same rows, operations and order as one ``index_add_`` per
+    expert over ``ids == e``, hence the same bits.
+
+    ``grouped`` runs all experts as one ``torch._grouped_mm`` per weight stack (no host sync) and then
+    adds each token's k contributions in ascending expert id, starting from zero: the same bits again.
     """
     n, k = ids.shape
     num_experts = experts.w1.shape[0]
-    ids, slot = ids.sort(dim=-1)
-    gates = gates.gather(1, slot)
     flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)  # pairs grouped by expert; tokens ascending within an expert
-    xs = x[order // k]
+    order = flat.argsort(stable=True)
+    rows = order // k  # token of each sorted pair
+    xs = x[rows]
+    weights = gates.reshape(-1)[order]
     counts = torch.bincount(flat, minlength=num_experts)
     if grouped is None:
         grouped = _use_grouped_mm(x)
     dtype = x.dtype
-    if grouped:
-        offsets = counts.cumsum(0).to(torch.int32)
-
-        def mm(a, name):
-            return torch._grouped_mm(a, experts.weight(name, dtype).transpose(-2, -1), offs=offsets)
-
-        h = F.silu(mm(xs, "w1")) * mm(xs, "w3")
-        ys = mm(h, "w2")
-    else:
-        ys = torch.empty(n * k, experts.w2.shape[1], dtype=dtype, device=x.device)
+    out = torch.zeros(n, experts.w2.shape[1], dtype=torch.float32, device=x.device)
+    if not grouped:
         start = 0
         for e, count in enumerate(counts.tolist()):
             if count:
-                part = xs[start:start + count]
-                h = F.silu(part @ experts.weight("w1", dtype, e).t()) * (part @ experts.weight("w3", dtype, e).t())
-                ys[start:start + count] = h @ experts.weight("w2", dtype, e).t()
+                part = slice(start, start + count)
+                h = F.silu(xs[part] @ experts.weight("w1", dtype, e).t()) * (xs[part] @ experts.weight("w3", dtype, e).t())
+                y = h @ experts.weight("w2", dtype, e).t()
+                out.index_add_(0, rows[part], y.float() * weights[part].float()[:, None])
                 start += count
+        return out
+    offsets = counts.cumsum(0).to(torch.int32)
+
+    def mm(a, name):
+        return torch._grouped_mm(a, experts.weight(name, dtype).transpose(-2, -1), offs=offsets)
+
+    ys = mm(F.silu(mm(xs, "w1")) * mm(xs, "w3"), "w2")
     position = torch.empty_like(order)
     position[order] = torch.arange(n * k, device=order.device)
-    position = position.view(n, k)  # where (token, j-th smallest expert) sits in ``ys``
-    out = torch.zeros(n, ys.shape[1], dtype=torch.float32, device=x.device)
+    # Row of ys holding (token, j-th smallest expert id): pairs are sorted by expert, so sorting a
+    # token's positions sorts its experts.
+    position = position.view(n, k).sort(dim=-1).values
     for j in range(k):
-        out += ys[position[:, j]].float() * gates[:, j:j + 1].float()
+        out += ys[position[:, j]].float() * weights[position[:, j]].float()[:, None]
     return out
 
 
