@@ -246,7 +246,7 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     order = flat.argsort(stable=True)
     rows = order // k  # token of each sorted pair
     xs = x[rows]
-    weights = gates.reshape(-1)[order]
+    weights = gates.reshape(-1)[order].float()[:, None]
     counts = torch.bincount(flat, minlength=num_experts)
     if grouped is None:
         grouped = _use_grouped_mm(x)
@@ -259,7 +259,7 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
                 part = slice(start, start + count)
                 h = F.silu(xs[part] @ experts.weight("w1", dtype, e).t()) * (xs[part] @ experts.weight("w3", dtype, e).t())
                 y = h @ experts.weight("w2", dtype, e).t()
-                out.index_add_(0, rows[part], y.float() * weights[part].float()[:, None])
+                out.index_add_(0, rows[part], y.float() * weights[part])
                 start += count
         return out
     offsets = counts.cumsum(0).to(torch.int32)
@@ -274,7 +274,7 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     # token's positions sorts its experts.
     position = position.view(n, k).sort(dim=-1).values
     for j in range(k):
-        out += ys[position[:, j]].float() * weights[position[:, j]].float()[:, None]
+        out += ys[position[:, j]].float() * weights[position[:, j]]
     return out
 
 
