@@ -47,7 +47,9 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("none", "model", "sequential")
+MODES = ("none", "model", "sequential")  # the default run; "block" and "block:K" (K blocks on the GPU) may be added
+EXTRA_MODES = ("block",)
+DIT_DTYPES = ("bf16", "fp32", "fp8_e4m3fn", "fp8_e5m2")
 MIB = 1024 * 1024
 GIB = 1024 * MIB
 
@@ -404,8 +406,9 @@ def run_mode(spec: Dict) -> Dict:
     out["rss_start_mib"] = _rss_mib()
 
     t0 = time.perf_counter()
-    pipe = load_pipeline(spec["package"], offload=spec["mode"], device=device,
-                         dtypes={"transformer": dtype, "text_encoder": dtype})
+    mode, _, k = spec["mode"].partition(":")
+    pipe = load_pipeline(spec["package"], offload=mode, device=device, blocks_on_gpu=int(k or 0),
+                         dtypes={"transformer": spec.get("dit_dtype") or dtype, "text_encoder": dtype})
     sync()
     out["load_call_s"] = time.perf_counter() - t0
     out["touched_weights_mib"] = touch_weights(pipe) / MIB if spec.get("touch", True) else 0.0
@@ -558,7 +561,7 @@ def markdown(report: Dict) -> str:
         f"accelerate {m['accelerate']}, Python {m['python']}",
         f"- package: {pkg}",
         f"- workload: TI2V {w['height']}x{w['width']} (H x W), {w['frames']} frames, {w['steps']} steps, guidance "
-        f"{w['guidance']}, shift {w['shift']}, seed {w['seed']}; DiT and text encoder {w['dtype']}, VAE fp32; "
+        f"{w['guidance']}, shift {w['shift']}, seed {w['seed']}; DiT {w.get('dit_dtype') or w['dtype']}, text encoder {w['dtype']}, VAE fp32; "
         f"negative prompt: {'model default' if w['negative_prompt'] is None else repr(w['negative_prompt'])}",
         "",
     ]
@@ -608,7 +611,9 @@ def markdown(report: Dict) -> str:
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if available")
-    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of none,model,sequential")
+    p.add_argument("--modes", default=",".join(MODES),
+                   help="comma-separated subset of none,model,sequential,block,block:K (K DiT blocks kept on the GPU)")
+    p.add_argument("--dit-dtype", choices=DIT_DTYPES, default=None, help="DiT dtype (default: --dtype); fp8 = fp8 weight storage")
     p.add_argument("--height", type=int, default=None, help="default 192 on CUDA, 64 on CPU")
     p.add_argument("--width", type=int, default=None, help="default 320 on CUDA, 96 on CPU")
     p.add_argument("--frames", type=int, default=None, help="4n+1; default 49 on CUDA, 5 on CPU")
@@ -649,7 +654,8 @@ def main(argv=None) -> int:
         if device == "cuda" and not torch.cuda.is_available():
             raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu.")
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + EXTRA_MODES
+           and not (m.startswith("block:") and m[len("block:"):].isdigit())]
     if bad or not modes:
         raise SystemExit(f"error: --modes must be a comma-separated subset of {','.join(MODES)}; got {args.modes!r}.")
     defaults = CUDA_WORKLOAD if device == "cuda" else CPU_WORKLOAD
@@ -657,7 +663,7 @@ def main(argv=None) -> int:
     negative = args.negative_prompt
     if negative is None:
         negative = MODEL_DEFAULT_NEGATIVE if device == "cuda" else CPU_NEGATIVE
-    workload.update(guidance=args.guidance, shift=args.shift, seed=args.seed, dtype=args.dtype,
+    workload.update(guidance=args.guidance, shift=args.shift, seed=args.seed, dtype=args.dtype, dit_dtype=args.dit_dtype,
                     prompt=args.prompt, negative_prompt=None if negative == MODEL_DEFAULT_NEGATIVE else negative)
 
     workdir = Path(args.workdir).expanduser() if args.workdir else Path(os.environ.get(

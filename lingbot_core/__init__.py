@@ -7,14 +7,15 @@ Weights are read from local folders only (``local_files_only=True`` everywhere):
 """
 
 from .latents import Posterior
-from .loading import ModelPackageError, load_pipeline
-from .offload import OFFLOAD_MODES
+from .loading import DIT_DTYPES, ModelPackageError, load_pipeline
+from .offload import MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from .pipeline import ImageCondition, LingbotPipeline
 from .pipeline_pool import LazyPipeline, MemoryBudgetError, PipelinePool, PipelineSpec
 from .text_conditioning import PromptEmbeds, frames_for_duration, parse_prompt, serialize_caption
 
 __all__ = [
     "load_pipeline", "LingbotPipeline", "ImageCondition", "PromptEmbeds", "Posterior", "ModelPackageError",
-    "OFFLOAD_MODES", "LazyPipeline", "PipelinePool", "PipelineSpec", "MemoryBudgetError", "frames_for_duration", "parse_prompt", "serialize_caption",
+    "OFFLOAD_MODES", "MAX_BLOCKS_ON_GPU", "DIT_DTYPES", "LazyPipeline", "PipelinePool", "PipelineSpec",
+    "MemoryBudgetError", "frames_for_duration", "parse_prompt", "serialize_caption",
 ]
 __version__ = "0.1.0"

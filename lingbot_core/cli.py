@@ -21,6 +21,9 @@ BUCKETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .loading import DIT_DTYPES
+    from .offload import OFFLOAD_MODES
+
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="text/image to video (or image), optionally refined")
@@ -43,7 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--fps", type=int, default=24)
     g.add_argument("--output", default="output.mp4", help="mp4 path (png for t2i)")
-    g.add_argument("--offload", choices=["none", "model", "sequential"], default="none")
+    g.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none")
+    g.add_argument("--blocks_on_gpu", type=int, default=0, help="DiT blocks kept on the GPU under --offload block")
+    g.add_argument("--dit_precision", choices=list(DIT_DTYPES), default=None,
+                   help="DiT weight dtype (default bf16 on CUDA, fp32 on CPU); fp8_* = fp8 storage, bf16 compute")
     g.add_argument("--device", default=None, help="e.g. cuda, cuda:1, cpu (default: best available)")
     g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")
     g.add_argument("--refiner_output", default=None, help="mp4 path of the refined video")
@@ -131,7 +137,8 @@ def generate(args) -> int:
         raise SystemExit("--mode ti2v needs --image")
     image = Image.open(args.image).convert("RGB") if args.mode == "ti2v" else None
 
-    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device)
+    dit = dict(blocks_on_gpu=args.blocks_on_gpu, dtypes={"transformer": args.dit_precision} if args.dit_precision else None)
+    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, **dit)
     frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
                            shift=args.shift, seed=args.seed, callback=_progress("generate"))
@@ -142,7 +149,7 @@ def generate(args) -> int:
     print(out)
     if args.run_refiner and num_frames > 1:
         pipe.release()  # the refiner pipeline needs its own components; free the base first
-        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device)
+        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device, **dit)
         refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
                                  steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
                                  t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,

@@ -10,13 +10,18 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import struct
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 
-from .offload import check_offload_mode, resolve_device
+from .fp8 import (
+    FP8_COMPUTE_DTYPE, FP8_DTYPES, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_name,
+    scale_shape, stored_in_compute_dtype,
+)
+from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .scheduling import load_scheduler_config
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
@@ -27,6 +32,8 @@ COMPONENTS = ("transformer", "text_encoder", "vae")
 TRANSFORMER_SUBFOLDERS = ("transformer", "refiner")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# Choices for the DiT: the above plus fp8 weight storage (computed in bf16).
+DIT_DTYPES = {**DTYPES, **FP8_DTYPES}
 
 
 class ModelPackageError(ValueError):
@@ -38,12 +45,13 @@ def default_dtypes(device: torch.device) -> Dict[str, torch.dtype]:
     return {"transformer": low, "text_encoder": low, "vae": torch.float32}
 
 
-def _dtype(value) -> torch.dtype:
-    if isinstance(value, torch.dtype):
+def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "") -> torch.dtype:
+    if isinstance(value, torch.dtype) and (value in allowed.values() or not is_fp8(value)):
         return value
-    if value in DTYPES:
-        return DTYPES[value]
-    raise ValueError(f"dtype {value!r} is not supported; use one of {', '.join(DTYPES)} or a torch dtype.")
+    if isinstance(value, str) and value in allowed:
+        return allowed[value]
+    where = f" for {component}" if component else ""
+    raise ValueError(f"dtype {value!r} is not supported{where}; use one of {', '.join(allowed)} or a torch dtype.")
 
 
 def safetensors_files(folder: Path, component: str, stem: str) -> list:
@@ -79,29 +87,75 @@ def safetensors_files(folder: Path, component: str, stem: str) -> list:
 def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer") -> LingBotVideoTransformer3DModel:
     """Build the DiT on ``meta`` from ``config.json`` and assign the checkpoint's tensors (one copy in RAM).
 
-    Every name and shape is checked; fp32 islands stay fp32 whatever ``dtype`` is.
+    Every name and shape is checked; fp32 islands stay fp32 whatever ``dtype`` is. With an fp8
+    ``dtype`` the block Linear weights are stored in fp8 with a scale (:mod:`lingbot_core.fp8`), the
+    other tensors in bf16 except the islands computed in fp32. fp8 checkpoints (fp8 ``weight`` + ``scale_weight``, ComfyUI's
+    "fp8 scaled" convention) load under any ``dtype``.
     """
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     model = _transformer_on_meta(folder, name)
     expected = {k: v.shape for k, v in model.state_dict().items()}
+    fp8 = is_fp8(dtype)
+    plain = FP8_COMPUTE_DTYPE if fp8 else dtype  # non-island tensors that are not quantized
+    readers = [SafetensorsReader(path) for path in safetensors_files(folder, name, "diffusion_pytorch_model")]
+    # Scales stored next to fp8 weights (ComfyUI convention), keyed by the weight they scale.
+    stored_scales = {}
+    for reader in readers:
+        for key in reader.keys():
+            target = _checkpoint_extra(name, reader.path, key, expected)
+            if target is not None:
+                stored_scales[target] = reader
     seen = set()
-    for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as f:
-                shard = {}
-                for key in f.keys():
-                    _check_tensor(name, path, key, expected)
-                    tensor = f.get_tensor(key)
-                    _check_tensor(name, path, key, expected, tuple(tensor.shape))
-                    target = torch.float32 if is_fp32_island(key) else dtype
-                    shard[key] = tensor.to(target) if tensor.is_floating_point() else tensor
-                    seen.add(key)
-        except SafetensorError as e:
-            raise ModelPackageError(f"{name}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again.") from None
-        model.load_state_dict(shard, strict=False, assign=True)
-        del shard
+    scales = {}
+    try:
+        for reader in readers:
+            shard = {}
+            for key in reader.keys():
+                if key not in expected:
+                    continue
+                shape = reader.shape(key)
+                _check_tensor(name, reader.path, key, expected, tuple(shape))
+                converted = fp8 and is_quantized_name(key)  # read into a reused buffer: only the fp8 copy is kept
+                tensor = reader.get(key, scratch=converted)
+                scale = None
+                if key in stored_scales:
+                    try:
+                        scale = checkpoint_scale(key, stored_scales[key].get(scale_name(key)), shape)
+                    except ValueError as e:
+                        raise ModelPackageError(f"{name}: {e}") from None
+                if is_fp32_island(key):
+                    target = plain if fp8 and stored_in_compute_dtype(key) else torch.float32
+                elif fp8 and is_quantized_name(key):
+                    target = dtype
+                else:
+                    target = plain
+                if not tensor.is_floating_point():
+                    shard[key] = tensor
+                elif target == dtype and fp8:
+                    if tensor.dtype == dtype and scale is not None:
+                        shard[key], scales[key] = tensor.clone(), scale  # already stored as wanted
+                    elif tensor.dtype == dtype:
+                        shard[key], scales[key] = tensor.clone(), checkpoint_scale(key, torch.ones(()), shape)
+                    else:
+                        source = dequantize(tensor, scale, FP8_COMPUTE_DTYPE) if (scale is not None or is_fp8(tensor.dtype)) else tensor
+                        shard[key], scales[key] = quantize(source, dtype, scale_shape(key, shape))
+                elif scale is not None or is_fp8(tensor.dtype):
+                    shard[key] = dequantize(tensor, scale, target)
+                else:
+                    shard[key] = tensor.to(target)
+                del tensor
+                seen.add(key)
+            model.load_state_dict(shard, strict=False, assign=True)
+            del shard
+    except (SafetensorError, OSError, ValueError) as e:
+        if isinstance(e, ModelPackageError):
+            raise
+        raise ModelPackageError(f"{name}: a weights file is not a readable safetensors file ({e}); it may be truncated, download it again.") from None
     _check_complete(name, expected, seen)
+    for key, scale in scales.items():
+        owner, _, leaf = key.rpartition(".")
+        setattr(model.get_submodule(owner), f"scale_{leaf}", scale)  # a registered (None) buffer until now
     return model.eval().requires_grad_(False)
 
 
@@ -119,6 +173,18 @@ def _transformer_on_meta(folder: Path, name: str) -> LingBotVideoTransformer3DMo
             return LingBotVideoTransformer3DModel.from_config(config)
     except (TypeError, ValueError) as e:
         raise ModelPackageError(f"{name}: config.json describes an invalid model: {e}") from None
+
+
+def _checkpoint_extra(name: str, path: Path, key: str, expected: dict) -> Optional[str]:
+    """A checkpoint key that is not a model tensor: the weight it scales (ComfyUI's fp8 ``scale_weight``),
+    None for a known marker or a model tensor, or an error for anything else."""
+    if key in expected or key in IGNORED_CHECKPOINT_KEYS or key.endswith(".scale_input"):
+        return None
+    prefix, _, leaf = key.rpartition(".")
+    target = f"{prefix}.{leaf[len('scale_'):]}" if leaf.startswith("scale_") else None
+    if target not in expected:
+        raise ModelPackageError(f"{name}: {path.name} has tensor {key!r}, which this model config does not have.")
+    return target
 
 
 def _check_tensor(name: str, path: Path, key: str, expected: dict, shape: Optional[tuple] = None) -> None:
@@ -153,9 +219,85 @@ def check_transformer(folder: Path, name: str = "transformer") -> None:
                 f"{name}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again."
             ) from None
         for key, info in header.items():
+            if key not in expected:
+                _checkpoint_extra(name, path, key, expected)  # fp8 scales and markers pass, anything else fails
+                continue
             _check_tensor(name, path, key, expected, tuple(info.get("shape", ())))
             seen.add(key)
     _check_complete(name, expected, seen)
+
+
+# Keys of community fp8 checkpoints that carry no weight (a format marker).
+IGNORED_CHECKPOINT_KEYS = frozenset({"scaled_fp8"})
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+class SafetensorsReader:
+    """One safetensors file, tensor by tensor. Tensors kept as they are come memory-mapped (safetensors'
+    own reader: no copy, file-backed pages); tensors that are converted right away (bf16 -> fp8) are
+    read with plain file reads into one reused buffer, so a conversion holds only its results plus the
+    tensor being read. The header (JSON) is validated against the file size; nothing is executed."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            head = f.read(8)
+            if len(head) != 8:
+                raise ModelPackageError(f"{self.path.name} is not a safetensors file (too short); download it again.")
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                raise ModelPackageError(f"{self.path.name} has a header larger than the file; it may be truncated, download it again.")
+            try:
+                header = json.loads(f.read(n))
+            except ValueError as e:
+                raise ModelPackageError(f"{self.path.name} has an invalid safetensors header ({e}).") from None
+        header.pop("__metadata__", None)
+        self._start = 8 + n
+        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._mapped = None
+        self._entries = {}
+        for key, info in header.items():
+            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
+            begin, end = info.get("data_offsets", (0, -1))
+            shape = info.get("shape")
+            if dtype is None or shape is None:
+                raise ModelPackageError(f"{self.path.name}: tensor {key!r} has unsupported dtype {info.get('dtype')!r}.")
+            nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
+            if not 0 <= begin <= end or end - begin != nbytes or self._start + end > size:
+                raise ModelPackageError(f"{self.path.name}: tensor {key!r} lies outside the file; it may be truncated, download it again.")
+            self._entries[key] = (dtype, list(shape), begin, end)
+
+    def keys(self):
+        return list(self._entries)
+
+    def shape(self, key: str):
+        return self._entries[key][1]
+
+    def get(self, key: str, scratch: bool = False) -> torch.Tensor:
+        """The tensor ``key``, memory-mapped; with ``scratch``, read into a buffer that the next scratch
+        read reuses (for tensors converted right away: one allocation instead of one per tensor, which
+        would leave freed blocks in the C heap)."""
+        dtype, shape, begin, end = self._entries[key]
+        if not scratch:
+            from safetensors import safe_open
+
+            if self._mapped is None:
+                self._mapped = safe_open(str(self.path), framework="pt", device="cpu")
+            return self._mapped.get_tensor(key)
+        if self._scratch.numel() < end - begin:
+            self._scratch = torch.empty(end - begin, dtype=torch.uint8)
+        buf = self._scratch[:end - begin]
+        with open(self.path, "rb") as f:
+            f.seek(self._start + begin)
+            if f.readinto(memoryview(buf.numpy())) != end - begin:
+                raise ModelPackageError(f"{self.path.name}: tensor {key!r} could not be read completely; download the file again.")
+        return buf.view(dtype).reshape(shape)
 
 
 def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path:
@@ -192,23 +334,25 @@ def _check_readable(path: Path, component: str) -> None:
 
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-                  device=None, dtypes: Optional[dict] = None) -> LingbotPipeline:
+                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
-    ``"bf16"``/``"fp16"``/``"fp32"``; missing keys default to bf16 DiT and text encoder on CUDA (fp32 on
-    CPU) and an fp32 VAE.
+    ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
+    storage, bf16 compute); missing keys default to bf16 DiT and text encoder on CUDA (fp32 on CPU) and
+    an fp32 VAE. ``blocks_on_gpu`` is the number of DiT blocks kept resident under ``offload="block"``.
     """
     from diffusers import AutoencoderKLWan
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
     check_offload_mode(offload)
+    check_blocks_on_gpu(blocks_on_gpu)
     device = resolve_device(device)
     chosen = default_dtypes(device)
     for key, value in (dtypes or {}).items():
         if key not in chosen:
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")
-        chosen[key] = _dtype(value)
+        chosen[key] = _dtype(value, DIT_DTYPES if key == "transformer" else DTYPES, key)
     root = check_package(model_dir, transformer_subfolder)
 
     transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
@@ -236,5 +380,5 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         logger.info("scheduler_config.json has shift=%s; ignored (the shift is a sampling argument).", scheduler_config["shift"])
     return LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
-        transformer_subfolder=transformer_subfolder, offload=offload, device=device,
+        transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
     )

@@ -5,6 +5,9 @@
 its forward runs and evicts only its predecessor. ``sequential`` streams each module's weights in its
 own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a child's
 tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert weights).
+``block`` places the text encoder and VAE as ``model`` does and streams the DiT block by block
+(:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident, every other block is copied in just
+before it runs while the next one is prefetched on a side CUDA stream from pinned memory.
 
 The chain assumes a fixed call order; a ComfyUI graph gives none. :meth:`Offloader.stage` therefore
 evicts everything before and after each stage, also when the stage raises or is interrupted, so a
@@ -14,25 +17,37 @@ stage always runs with exactly its own component resident and leaves nothing beh
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
 from accelerate import cpu_offload, cpu_offload_with_hook
-from accelerate.hooks import AlignDevicesHook, SequentialHook, UserCpuOffloadHook, remove_hook_from_module
+from accelerate.hooks import (
+    AlignDevicesHook, ModelHook, SequentialHook, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module,
+)
+from accelerate.utils import send_to_device
 
 logger = logging.getLogger("lingbot_core")
 
-OFFLOAD_MODES = ("none", "model", "sequential")
+OFFLOAD_MODES = ("none", "model", "sequential", "block")
 # Order in which model offload chains the components (each evicts its predecessor).
 MODEL_OFFLOAD_SEQUENCE = ("text_encoder", "transformer", "vae")
+# Largest ``blocks_on_gpu`` accepted (the MoE DiT has 48 blocks; more than the depth keeps every block).
+MAX_BLOCKS_ON_GPU = 64
 
 
 def check_offload_mode(mode: str) -> str:
     if mode not in OFFLOAD_MODES:
         raise ValueError(f"offload={mode!r} is not a valid offload mode; choose one of {', '.join(OFFLOAD_MODES)}.")
     return mode
+
+
+def check_blocks_on_gpu(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_BLOCKS_ON_GPU:
+        raise ValueError(f"blocks_on_gpu={value!r} is not allowed: use an integer from 0 to {MAX_BLOCKS_ON_GPU} "
+                         "(DiT blocks kept on the GPU under offload 'block'; 0 = lowest VRAM).")
+    return value
 
 
 def resolve_device(device=None) -> torch.device:
@@ -79,9 +94,11 @@ class Offloader:
     under sequential offload.
     """
 
-    def __init__(self, components: Dict[str, nn.Module], preload: Optional[Dict[str, List[str]]] = None):
+    def __init__(self, components: Dict[str, nn.Module], preload: Optional[Dict[str, List[str]]] = None,
+                 blocks_on_gpu: int = 0):
         self.components = dict(components)
         self.preload = dict(preload or {})
+        self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)  # used by mode "block"
         self.mode = "none"
         self.device = torch.device("cpu")
         self._chain: List[UserCpuOffloadHook] = []
@@ -122,6 +139,18 @@ class Offloader:
                     continue
                 _, prev = cpu_offload_with_hook(module.to("cpu"), device, prev_module_hook=prev)
                 self._chain.append(prev)
+        elif mode == "block":
+            prev = None
+            for name in MODEL_OFFLOAD_SEQUENCE:
+                module = self.components.get(name)
+                if module is None:
+                    continue
+                module.to("cpu")
+                if name == "transformer":
+                    add_hook_to_module(module, BlockStreamer(device, self.blocks_on_gpu))
+                else:
+                    _, prev = cpu_offload_with_hook(module, device, prev_module_hook=prev)
+                    self._chain.append(prev)
         else:
             for name, module in self.components.items():
                 module.to("cpu")
@@ -159,12 +188,17 @@ class Offloader:
         """Leave no component on the execution device.
 
         model: offload every component of the chain (a full reset of the chain's state).
+        block: the same for the text encoder and VAE, and every DiT block and the DiT's other weights.
         sequential: put back on ``meta`` any weights that a forward which raised left materialised.
         none: nothing to do.
         """
-        if self.mode == "model":
+        if self.mode in ("model", "block"):
             for hook in self._chain:
                 hook.offload()
+            transformer = self.components.get("transformer")
+            for hook in _hooks(transformer) if transformer is not None else ():
+                if isinstance(hook, BlockStreamer):
+                    hook.offload_all()
             empty_device_cache(self.device)
         elif self.mode == "sequential":
             dirty = False
@@ -219,3 +253,162 @@ def _tensors(module: nn.Module) -> Iterable[torch.Tensor]:
 def _has_materialised(module: nn.Module, hook: AlignDevicesHook) -> bool:
     tensors = module.named_parameters(recurse=hook.place_submodules)
     return any(t.device.type != "meta" for _, t in tensors)
+
+
+# ----------------------------------------------------------------------------------------------
+# Offload mode "block": the DiT streamed block by block
+# ----------------------------------------------------------------------------------------------
+
+
+class StreamUnit:
+    """The tensors of one placement unit (a DiT block, or the DiT's non-block weights plus the resident
+    blocks) with their CPU home copies. ``onload`` points the modules at device copies, ``offload``
+    back at the CPU copies; nothing else moves."""
+
+    def __init__(self, label: str, modules: Iterable[nn.Module], pin: bool):
+        self.label = label
+        self.slots = []  # (module, name, is_parameter, cpu tensor)
+        for module in modules:
+            for name, t in list(module._parameters.items()) + list(module._buffers.items()):
+                if t is None:
+                    continue
+                home = t.data
+                if pin and not home.is_pinned():
+                    try:
+                        home = home.pin_memory()
+                    except RuntimeError as e:  # e.g. a pinned-memory limit (WSL): stream from pageable memory
+                        logger.info("offload=block: could not pin %s (%s); copies will not overlap compute.", label, e)
+                        pin = False
+                self.slots.append((module, name, name in module._parameters, home))
+                self._set(module, name, name in module._parameters, home)
+        self.nbytes = sum(t.numel() * t.element_size() for *_, t in self.slots)
+        self.on_device = False
+        self._ready: Optional["torch.cuda.Event"] = None
+
+    @staticmethod
+    def _set(module: nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
+        if is_param:
+            module._parameters[name].data = tensor
+        else:
+            module._buffers[name] = tensor
+
+    def onload(self, device: torch.device, stream=None) -> None:
+        """Copy to ``device``; on ``stream`` (asynchronously) when given, else in order with compute."""
+        if self.on_device:
+            return
+        self._device = device
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for module, name, is_param, home in self.slots:
+                self._set(module, name, is_param, home.to(device, non_blocking=stream is not None))
+            if stream is not None:
+                self._ready = torch.cuda.Event()
+                self._ready.record(stream)
+        self.on_device = True
+
+    def wait(self) -> None:
+        """Make the compute stream wait for an asynchronous onload, and tie the copies' memory to it."""
+        if self._ready is None:
+            return
+        compute = torch.cuda.current_stream(self._device)
+        compute.wait_event(self._ready)
+        for module, name, is_param, _ in self.slots:
+            tensor = module._parameters[name] if is_param else module._buffers[name]
+            tensor.data.record_stream(compute)
+        self._ready = None
+
+    def offload(self) -> None:
+        """Point back at the CPU copies; the device copies are freed once compute is done with them."""
+        if not self.on_device:
+            return
+        for module, name, is_param, home in self.slots:
+            self._set(module, name, is_param, home)
+        self._ready = None
+        self.on_device = False
+
+
+class BlockStreamer(ModelHook):
+    """Offload mode ``block`` for the DiT, as an accelerate hook on the transformer.
+
+    At the DiT's forward, its non-block weights and the first ``blocks_on_gpu`` blocks go to the
+    execution device (they stay until the stage ends). Each other block has its own hook: before it
+    runs, its copy is awaited (or made) and the next streamed block's copy is started on a side CUDA
+    stream from pinned memory; after it runs, it is dropped. So at most ``blocks_on_gpu + 2`` blocks
+    are resident. After the last block the first streamed block is prefetched for the next forward
+    (the next CFG branch or step); :meth:`offload_all` (every stage reset) drops everything.
+
+    On a CPU execution device the "copies" are the CPU tensors themselves and no stream is used, so
+    the numbers are those of the unhooked model.
+    """
+
+    def __init__(self, execution_device: torch.device, blocks_on_gpu: int):
+        self.execution_device = execution_device
+        self.blocks_on_gpu = blocks_on_gpu
+        self.core: Optional[StreamUnit] = None
+        self.streamed: List[StreamUnit] = []
+        self._stream = None
+
+    @property
+    def _cuda(self) -> bool:
+        return self.execution_device.type == "cuda" and torch.cuda.is_available()
+
+    def init_hook(self, module):
+        blocks = list(module.blocks)
+        k = min(self.blocks_on_gpu, len(blocks))
+        in_blocks = {id(m) for b in blocks for m in b.modules()}
+        outside = [m for m in module.modules() if id(m) not in in_blocks]
+        resident = outside + [m for b in blocks[:k] for m in b.modules()]
+        self.core = StreamUnit("core", resident, pin=False)
+        self.streamed = [StreamUnit(f"block{i}", b.modules(), pin=self._cuda) for i, b in enumerate(blocks) if i >= k]
+        streamed_blocks = blocks[k:]
+        for j, block in enumerate(streamed_blocks):
+            add_hook_to_module(block, _StreamedBlockHook(self, j))
+        return module
+
+    def _side_stream(self):
+        if not self._cuda:
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.execution_device)
+        return self._stream
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.core.onload(self.execution_device)
+        if self.streamed:
+            self.streamed[0].onload(self.execution_device, self._side_stream())
+        return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
+
+    def before_block(self, j: int) -> None:
+        unit = self.streamed[j]
+        unit.onload(self.execution_device, None)  # no-op when prefetched
+        unit.wait()
+        nxt = self.streamed[(j + 1) % len(self.streamed)]
+        if nxt is not unit:
+            nxt.onload(self.execution_device, self._side_stream())
+
+    def after_block(self, j: int) -> None:
+        self.streamed[j].offload()
+
+    def offload_all(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+        for unit in [self.core, *self.streamed]:
+            if unit is not None:
+                unit.offload()
+
+    def detach_hook(self, module):
+        self.offload_all()
+        return module
+
+
+class _StreamedBlockHook(ModelHook):
+    def __init__(self, streamer: BlockStreamer, index: int):
+        self.streamer = streamer
+        self.index = index
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.streamer.before_block(self.index)
+        return args, kwargs
+
+    def post_forward(self, module, output):
+        self.streamer.after_block(self.index)
+        return output

@@ -23,7 +23,7 @@ from .latents import (
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
 from .memory import trim_heap
-from .offload import Offloader, check_offload_mode, resolve_device
+from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
 from .scheduling import refiner_sigmas, shifted_sigmas
@@ -97,7 +97,7 @@ class LingbotPipeline:
 
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
-                 offload: str = "none", device=None):
+                 offload: str = "none", device=None, blocks_on_gpu: int = 0):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -116,6 +116,7 @@ class LingbotPipeline:
                 # The MoE feed-forward reads raw expert weights; its container never runs a forward.
                 "transformer": ["MoEFeedForward"],
             },
+            blocks_on_gpu=blocks_on_gpu,
         )
         self.offloader.apply(offload, resolve_device(device))
 
@@ -126,6 +127,11 @@ class LingbotPipeline:
         return self.offloader.mode
 
     @property
+    def blocks_on_gpu(self) -> int:
+        """DiT blocks kept resident under offload ``block``."""
+        return self.offloader.blocks_on_gpu
+
+    @property
     def device(self) -> torch.device:
         """The execution device (where stages compute), whatever the offload mode."""
         return self.offloader.device
@@ -134,10 +140,13 @@ class LingbotPipeline:
     def is_refiner(self) -> bool:
         return self.transformer_subfolder == "refiner"
 
-    def set_offload(self, mode: str, device=None) -> None:
-        """Switch offload mode on the loaded weights (old hooks are removed first; no reload)."""
+    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None) -> None:
+        """Switch offload mode on the loaded weights (old hooks are removed first; no reload).
+        ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
         self._require_loaded()
         check_offload_mode(mode)
+        if blocks_on_gpu is not None:
+            self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
 
     def release(self) -> None:

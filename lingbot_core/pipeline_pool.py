@@ -28,9 +28,11 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from .latents import LatentNormalizer
-from .loading import ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline
+from .loading import (
+    DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
+)
 from .memory import MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap
-from .offload import check_offload_mode, resolve_device
+from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 
 logger = logging.getLogger("lingbot_core")
@@ -58,7 +60,7 @@ class PipelineSpec:
                device=None, **options) -> "PipelineSpec":
         names = {}
         for key, value in (dtypes or {}).items():
-            dt = _dtype(value)  # refuses unknown dtypes with a clear message
+            dt = _dtype(value, DIT_DTYPES if key == "transformer" else DTYPES, key)  # refuses unknown dtypes clearly
             names[key] = str(dt).replace("torch.", "")
         return cls(str(Path(model_dir)), transformer_subfolder, tuple(sorted(names.items())),
                    str(resolve_device(device)), tuple(sorted(options.items())))
@@ -100,14 +102,18 @@ class PipelinePool:
     # -- handles ---------------------------------------------------------------------------------
 
     def handle(self, model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-               dtypes: Optional[dict] = None, device=None, **options) -> "LazyPipeline":
-        """Check the package (headers only) and return a handle; no weight is read here."""
+               dtypes: Optional[dict] = None, device=None, blocks_on_gpu: int = 0, **options) -> "LazyPipeline":
+        """Check the package (headers only) and return a handle; no weight is read here.
+
+        ``offload`` and ``blocks_on_gpu`` are placement, not weights: handles that differ only in them
+        share one loaded pipeline, which is re-hooked when a stage runs."""
         check_offload_mode(offload)
+        check_blocks_on_gpu(blocks_on_gpu)
         spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, **options)
         if not self.is_loaded(spec):  # a loaded pipeline needs no files: switching offload reads nothing
             root = check_package(model_dir, transformer_subfolder)
             check_transformer(root / transformer_subfolder, transformer_subfolder)
-        return LazyPipeline(self, spec, offload)
+        return LazyPipeline(self, spec, offload, blocks_on_gpu)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -166,14 +172,14 @@ class PipelinePool:
             self._note_caller(spec)
             pipe = self._loaded.get(spec)
             if pipe is None:
-                pipe = self._load(spec, handle.offload)
+                pipe = self._load(spec, handle.offload, handle.blocks_on_gpu)
             else:
                 self._loaded.move_to_end(spec)
             self._in_use[spec] = self._in_use.get(spec, 0) + 1
         try:
-            if pipe.offload != handle.offload:
+            if pipe.offload != handle.offload or (handle.offload == "block" and pipe.blocks_on_gpu != handle.blocks_on_gpu):
                 self._placing()
-                pipe.set_offload(handle.offload)
+                pipe.set_offload(handle.offload, blocks_on_gpu=handle.blocks_on_gpu)
             if self.observer is not None:
                 self.observer.using(spec, pipe)
             yield pipe
@@ -186,14 +192,15 @@ class PipelinePool:
         if self.observer is not None:
             self.observer.placing()
 
-    def _load(self, spec: PipelineSpec, offload: str) -> LingbotPipeline:
+    def _load(self, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0) -> LingbotPipeline:
         need = self.weight_bytes(spec)
         self._make_room(spec, need)
         self._placing()
         logger.info("LingBot-Video: loading %s (%s of weights, offload=%s).", spec.label, format_bytes(need), offload)
         try:
             pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
-                                 device=spec.device, dtypes=spec.load_dtypes(), **dict(spec.options))
+                                 device=spec.device, dtypes=spec.load_dtypes(), blocks_on_gpu=blocks_on_gpu,
+                                 **dict(spec.options))
         except BaseException:
             return_freed_memory()  # whatever was read before the failure
             raise
@@ -273,10 +280,11 @@ class LazyPipeline:
     The stage and run methods take the arguments of :class:`~lingbot_core.pipeline.LingbotPipeline`.
     """
 
-    def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str):
+    def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0):
         self.pool = pool
         self.spec = spec
         self.offload = check_offload_mode(offload)
+        self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self._normalizer: Optional[LatentNormalizer] = None
 
     def __repr__(self) -> str:
@@ -307,9 +315,12 @@ class LazyPipeline:
             self._normalizer = LatentNormalizer(cfg.get("latents_mean"), cfg.get("latents_std"))
         return self._normalizer
 
-    def set_offload(self, mode: str) -> None:
-        """Use ``mode`` from the next stage on; loaded weights are re-hooked, not reloaded."""
+    def set_offload(self, mode: str, blocks_on_gpu: Optional[int] = None) -> None:
+        """Use ``mode`` from the next stage on; loaded weights are re-hooked, not reloaded.
+        ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
         self.offload = check_offload_mode(mode)
+        if blocks_on_gpu is not None:
+            self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
 
     def release(self) -> bool:
         """Free the weights now; the next stage loads them again. False when nothing was loaded."""

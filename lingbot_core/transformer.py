@@ -22,6 +22,8 @@ from torch import nn
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
+from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
+
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
     {
@@ -40,12 +42,18 @@ class Linear(nn.Linear):
 
     The weights are cast per call, never in place, so fp32-island linears keep fp32 storage. The cast
     happens inside ``forward`` so that offload hooks on this module fire before its weights are read.
+    An fp8-stored weight carries a ``scale_weight`` buffer (see :mod:`lingbot_core.fp8`); otherwise
+    that buffer is ``None`` and not part of the state dict.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.register_buffer("scale_weight", None)
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         dtype = dtype or self.weight.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), self.weight.to(dtype), bias)
+        return F.linear(x.to(dtype), dequantize(self.weight, self.scale_weight, dtype), bias)
 
 
 class RMSNorm(nn.Module):
@@ -188,13 +196,86 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """Raw expert weights; read by :class:`MoEFeedForward` (this container has no forward)."""
+    """Raw expert weights; read by :class:`MoEFeedForward` (this container has no forward).
+
+    fp8-stored stacks carry one scale per expert in ``scale_w1/2/3`` (``None`` otherwise).
+    """
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
+        for name in ("w1", "w2", "w3"):
+            self.register_buffer(f"scale_{name}", None)
+
+    def weight(self, name: str, dtype: torch.dtype, expert: Optional[int] = None) -> torch.Tensor:
+        """Expert stack ``name`` (or one expert of it) in ``dtype``."""
+        w, scale = getattr(self, name), getattr(self, f"scale_{name}")
+        if expert is not None:
+            w, scale = w[expert], None if scale is None else scale[expert]
+        return dequantize(w, scale, dtype)
+
+
+# Device types on which the experts run as one ``torch._grouped_mm`` per weight stack. On CPU it gives
+# the same bits but was slower than one matmul per expert (bench/moe_ffn.py, docs/benchmarks.md), so it
+# is off until a device shows a gain (scripts/gpu-check measures CUDA).
+GROUPED_MM_DEVICES = frozenset()
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return hasattr(torch, "_grouped_mm") and x.device.type in GROUPED_MM_DEVICES
+
+
+def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts: Experts,
+                grouped: Optional[bool] = None) -> torch.Tensor:
+    """Sum over the selected experts of ``gate * expert(x)``, in fp32, for tokens ``x`` (N, D) bf16.
+
+    The (token, expert) pairs are sorted by expert once (stably: tokens stay ascending within an
+    expert), so each expert reads a contiguous slice, and the slice sizes need one host sync per call
+    instead of one scan and sync per expert. Each expert's weighted output is added into the fp32 sum
+    in ascending expert id: per token the same rows, operations and order as one ``index_add_`` per
+    expert over ``ids == e``, hence the same bits.
+
+    ``grouped`` runs all experts as one ``torch._grouped_mm`` per weight stack (no host sync) and then
+    adds each token's k contributions in ascending expert id, starting from zero: the same bits again.
+    """
+    n, k = ids.shape
+    num_experts = experts.w1.shape[0]
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    rows = order // k  # token of each sorted pair
+    xs = x[rows]
+    weights = gates.reshape(-1)[order].float()[:, None]
+    counts = torch.bincount(flat, minlength=num_experts)
+    if grouped is None:
+        grouped = _use_grouped_mm(x)
+    dtype = x.dtype
+    out = torch.zeros(n, experts.w2.shape[1], dtype=torch.float32, device=x.device)
+    if not grouped:
+        start = 0
+        for e, count in enumerate(counts.tolist()):
+            if count:
+                part = slice(start, start + count)
+                h = F.silu(xs[part] @ experts.weight("w1", dtype, e).t()) * (xs[part] @ experts.weight("w3", dtype, e).t())
+                y = h @ experts.weight("w2", dtype, e).t()
+                out.index_add_(0, rows[part], y.float() * weights[part])
+                start += count
+        return out
+    offsets = counts.cumsum(0).to(torch.int32)
+
+    def mm(a, name):
+        return torch._grouped_mm(a, experts.weight(name, dtype).transpose(-2, -1), offs=offsets)
+
+    ys = mm(F.silu(mm(xs, "w1")) * mm(xs, "w3"), "w2")
+    position = torch.empty_like(order)
+    position[order] = torch.arange(n * k, device=order.device)
+    # Row of ys holding (token, j-th smallest expert id): pairs are sorted by expert, so sorting a
+    # token's positions sorts its experts.
+    position = position.view(n, k).sort(dim=-1).values
+    for j in range(k):
+        out += ys[position[:, j]].float() * weights[position[:, j]]
+    return out
 
 
 def route_tokens(
@@ -255,15 +336,7 @@ class MoEFeedForward(nn.Module):
         )
         gates = gates.to(tokens.dtype)
         # Experts always run with bf16 operands (as the reference), accumulated in fp32.
-        xb = tokens.to(torch.bfloat16)
-        out = torch.zeros(tokens.shape, dtype=torch.float32, device=tokens.device)
-        for e in ids.unique().tolist():
-            rows, slot = (ids == e).nonzero(as_tuple=True)
-            x = xb[rows]
-            h = F.silu(x @ self.experts.w1[e].to(torch.bfloat16).t()) * (x @ self.experts.w3[e].to(torch.bfloat16).t())
-            y = h @ self.experts.w2[e].to(torch.bfloat16).t()
-            out.index_add_(0, rows, y.float() * gates[rows, slot].float()[:, None])
-        out = out.to(tokens.dtype)
+        out = run_experts(tokens.to(torch.bfloat16), ids, gates, self.experts).to(tokens.dtype)
         if self.shared_experts is not None:
             out = out + self.shared_experts(tokens, dtype).to(tokens.dtype)
         return out.reshape(shape)
@@ -372,8 +445,10 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload)."""
-        return self.blocks[0].attn.to_q.weight.dtype
+        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload);
+        bf16 when they are stored in fp8."""
+        dtype = self.blocks[0].attn.to_q.weight.dtype
+        return FP8_COMPUTE_DTYPE if is_fp8(dtype) else dtype
 
     def to(self, *args, **kwargs):
         """Like ``nn.Module.to``, but a floating-point dtype cast keeps the fp32 islands in fp32."""

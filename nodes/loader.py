@@ -6,25 +6,27 @@ import logging
 
 import comfy.model_management
 
-from ..lingbot_core import OFFLOAD_MODES
+from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from .comfy_memory import current_job, pipe_pool
 from .model_folders import list_packages, resolve_package
 
 logger = logging.getLogger("lingbot_video_nodes")
 
 PRECISIONS = ["auto", "bf16", "fp16", "fp32"]
+DIT_PRECISIONS = ["auto", *DIT_DTYPES]  # adds the core's fp8 storage choices
 VAE_PRECISIONS = ["fp32", "bf16", "fp16"]
 TRANSFORMERS = ["transformer", "refiner"]
 
 
-def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision):
+def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
+                    blocks_on_gpu=0):
     """The one place that turns the loader's widgets into a handle (new loader options go here).
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
     package is checked (folders, safetensors headers); no weight is read.
     """
     for name, value, allowed in (("offload", offload, list(OFFLOAD_MODES)),
-                                 ("dit_precision", dit_precision, PRECISIONS),
+                                 ("dit_precision", dit_precision, DIT_PRECISIONS),
                                  ("text_encoder_precision", text_encoder_precision, PRECISIONS),
                                  ("vae_precision", vae_precision, VAE_PRECISIONS),
                                  ("transformer", transformer, TRANSFORMERS)):
@@ -36,7 +38,8 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
     if text_encoder_precision != "auto":
         dtypes["text_encoder"] = text_encoder_precision
     return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
-                              dtypes=dtypes, device=comfy.model_management.get_torch_device())
+                              dtypes=dtypes, device=comfy.model_management.get_torch_device(),
+                              blocks_on_gpu=blocks_on_gpu)
 
 
 def _consumers(prompt, node_id) -> list:
@@ -72,17 +75,22 @@ class LoadLingbotPipeline:
                 "transformer": (TRANSFORMERS, {"default": "transformer",
                                 "tooltip": "'transformer' generates; 'refiner' (MoE package only) loads the refiner DiT for the Refine node."}),
                 "offload": (list(OFFLOAD_MODES), {"default": "model",
-                            "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest)."}),
-                "dit_precision": (PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp32 islands (norms, modulation, router) always stay fp32."}),
+                            "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest). block: like model, but the DiT is streamed block by block with the next block prefetched (blocks_on_gpu blocks stay resident)."}),
+                "dit_precision": (DIT_PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp8_e4m3fn / fp8_e5m2 store the block weights in fp8 (half the RAM, VRAM and transfer of bf16, computed in bf16). fp32 islands (norms, modulation, router) always stay fp32."}),
                 "text_encoder_precision": (PRECISIONS, {"default": "auto", "tooltip": "Qwen3-VL text encoder dtype. auto = bf16 on GPU, fp32 on CPU."}),
                 "vae_precision": (VAE_PRECISIONS, {"default": "fp32", "tooltip": "Wan VAE dtype; fp32 is the reference setting."}),
+            },
+            "optional": {
+                "blocks_on_gpu": ("INT", {"default": 0, "min": 0, "max": MAX_BLOCKS_ON_GPU,
+                                  "tooltip": "offload 'block' only: DiT blocks kept on the GPU (the others are streamed). 0 = least VRAM; each block is about 0.1 GiB (dense, bf16) or 1.2 GiB (MoE, bf16)."}),
             },
             "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
         }
 
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-             prompt=None, unique_id=None):
-        pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision)
+             blocks_on_gpu=0, prompt=None, unique_id=None):
+        pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
+                               blocks_on_gpu)
         job = current_job()
         if job is not None and unique_id is not None:
             # Until these nodes have used it, the pipeline is not evicted to make room for another one.

@@ -9,6 +9,10 @@ neither can show an offload bug. The tracker instead instruments accelerate's ow
 - ``AlignDevicesHook.pre_forward``/``post_forward`` (sequential): a module's own tensors are loaded
   for the duration of its forward.
 
+- ``StreamUnit.onload``/``offload`` (offload ``block``): a DiT placement unit (the non-block weights
+  with the resident blocks, or one streamed block) is on the device from its onload to its offload.
+  Which blocks a unit holds is read from the tensors it moves, not from the streamer's bookkeeping.
+
 Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
 computes, which also sees calls that bypass a top-level hook. Under sequential offload a probe fires
 before its module's weights stream in, so each streaming step also takes a ``"stream"`` snapshot.
@@ -21,6 +25,8 @@ from contextlib import ExitStack
 from unittest import mock
 
 from accelerate.hooks import AlignDevicesHook, CpuOffload
+
+from lingbot_core.offload import StreamUnit
 
 
 def _nbytes(module, recurse):
@@ -44,13 +50,23 @@ class ResidencyTracker:
         self.pre_forward_calls = defaultdict(int)
         self._stack = ExitStack()
         self._component_bytes = {name: _nbytes(m, True) for name, m in self.components.items()}
+        # offload "block": units on the device (id -> (bytes, block indices held)), and per-block probes
+        self.units = {}
+        blocks = getattr(pipe.transformer, "blocks", [])
+        self._block_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
+        self.max_blocks_resident = 0
+        self.block_snapshots = []  # (block index, blocks resident, that block resident, input device)
 
     # -- accounting --------------------------------------------------------------------------
 
     def resident_bytes(self) -> int:
         if self.pipe.offload == "none":
             return sum(self._component_bytes.values())
-        return sum(self._component_bytes[n] for n in self.resident) + sum(self.streamed.values())
+        return (sum(self._component_bytes[n] for n in self.resident) + sum(self.streamed.values())
+                + sum(b for b, _ in self.units.values()))
+
+    def blocks_resident(self) -> set:
+        return set().union(*(blocks for _, blocks in self.units.values())) if self.units else set()
 
     def _update_peak(self):
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
@@ -58,7 +74,8 @@ class ResidencyTracker:
     def current(self) -> frozenset:
         if self.pipe.offload == "none":
             return frozenset(self.components)
-        return frozenset(self.resident | {n for n, b in self.streamed.items() if b > 0})
+        dit = {"transformer"} if self.units else set()
+        return frozenset(self.resident | {n for n, b in self.streamed.items() if b > 0} | dit)
 
     # -- instrumentation ---------------------------------------------------------------------
 
@@ -105,6 +122,29 @@ class ResidencyTracker:
                     tracker.streamed[name] -= _nbytes(module, hook.place_submodules)
             return orig_align_post(hook, module, output)
 
+        orig_unit_on, orig_unit_off = StreamUnit.onload, StreamUnit.offload
+
+        def unit_onload(unit, device, stream=None):
+            blocks = {tracker._block_of[id(m)] for m, *_ in unit.slots if id(m) in tracker._block_of}
+            nbytes = sum(t.numel() * t.element_size() for *_, t in unit.slots)
+            tracker.units[id(unit)] = (nbytes, blocks)
+            tracker.events.append(("unit_onload", unit.label))
+            tracker.max_blocks_resident = max(tracker.max_blocks_resident, len(tracker.blocks_resident()))
+            tracker._update_peak()
+            return orig_unit_on(unit, device, stream)
+
+        def unit_offload(unit):
+            if tracker.units.pop(id(unit), None) is not None:
+                tracker.events.append(("unit_offload", unit.label))
+            return orig_unit_off(unit)
+
+        self._stack.enter_context(mock.patch.object(StreamUnit, "onload", unit_onload))
+        self._stack.enter_context(mock.patch.object(StreamUnit, "offload", unit_offload))
+        for i, block in enumerate(blocks_of(self.pipe.transformer)):
+            handle = block.attn.to_q.register_forward_pre_hook(
+                lambda m, a, i=i: self.block_snapshots.append(
+                    (i, len(self.blocks_resident()), i in self.blocks_resident(), a[0].device)))
+            self._stack.callback(handle.remove)
         self._stack.enter_context(mock.patch.object(CpuOffload, "pre_forward", pre_forward))
         self._stack.enter_context(mock.patch.object(CpuOffload, "init_hook", init_hook))
         self._stack.enter_context(mock.patch.object(AlignDevicesHook, "pre_forward", align_pre))
@@ -135,3 +175,8 @@ class ResidencyTracker:
     def clear(self):
         self.snapshots.clear()
         self.events.clear()
+        self.block_snapshots.clear()
+
+
+def blocks_of(transformer):
+    return list(getattr(transformer, "blocks", []))

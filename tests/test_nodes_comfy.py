@@ -208,7 +208,7 @@ def test_object_info_lists_the_nodes_with_documented_defaults(server):
         assert len(info.get("output_tooltips") or []) == len(info["output"]), name
 
     load = _inputs(infos["LoadLingbotPipeline"])
-    assert load["offload"][0] == ["none", "model", "sequential"] and load["offload"][1]["default"] == "model"
+    assert load["offload"][0] == ["none", "model", "sequential", "block"] and load["offload"][1]["default"] == "model"
     assert load["transformer"][0] == ["transformer", "refiner"] and load["transformer"][1]["default"] == "transformer"
     assert {DENSE, MOE} <= set(load["model"][0]), load["model"][0]
     assert load["dit_precision"][1]["default"] == "auto" and load["vae_precision"][1]["default"] == "fp32"

@@ -1,0 +1,144 @@
+"""Offload mode ``block`` (issue 10 item 2): the DiT streamed block by block with ``blocks_on_gpu``
+resident blocks, text encoder and VAE placed as under ``model``.
+
+Residency is measured by the tracker of ``residency.py`` (which blocks each placement unit really
+moves), inputs by the fake ``cuda:3`` accelerator of ``test_offload.py``; frames are compared with
+offload ``none`` bit for bit.
+"""
+
+import gc
+import weakref
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_core import OFFLOAD_MODES, load_pipeline
+from lingbot_core.fixtures import dit_config, write_dit, write_package
+from lingbot_core.offload import BlockStreamer
+from residency import ResidencyTracker
+from test_offload import FAKE, SIZE, assert_placed_on_hook_device, fake_accelerator, only
+
+DEPTH = 6
+RUN = dict(SIZE, num_frames=5, steps=2, seed=7)
+
+
+@pytest.fixture(scope="module")
+def deep_package(tmp_path_factory):
+    """The tiny fp32 dense package with a 6-block DiT, so that K + 2 < depth."""
+    root = write_package(tmp_path_factory.mktemp("deep") / "lingbot-tiny-deep", fp32=True, refiner=False, seed=5)
+    write_dit(root / "transformer", {**dit_config(False), "depth": DEPTH}, seed=5, fp32=True)
+    return root
+
+
+def leave_resident(pipe, tracker):
+    """Start dirty, as after code that ran components outside any stage: the VAE (which evicted the
+    text encoder, its predecessor) and the DiT's non-block weights with its first streamed block."""
+    for name in ("text_encoder", "vae", "transformer"):
+        module = pipe.offloader.components[name]
+        module._hf_hook.pre_forward(module)
+    assert tracker.current() == {"vae", "transformer"}
+
+
+@pytest.fixture(scope="module")
+def deep_reference(deep_package, test_image):
+    pipe = load_pipeline(deep_package, device="cpu")
+    try:
+        return pipe.generate("a cat", image=test_image, **RUN)
+    finally:
+        pipe.release()
+
+
+def test_block_is_a_mode():
+    assert OFFLOAD_MODES == ("none", "model", "sequential", "block")
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_block_residency_and_frames(deep_package, deep_reference, test_image, k):
+    pipe = load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=k)
+    try:
+        streamed = [i for i, b in enumerate(pipe.transformer.blocks) if hasattr(b, "_hf_hook")]
+        assert streamed == list(range(k, DEPTH))
+        assert isinstance(pipe.transformer._hf_hook, BlockStreamer)
+        with ResidencyTracker(pipe) as tr:
+            leave_resident(pipe, tr)
+            tr.peak_bytes = 0
+            frames = pipe.generate("a cat", image=test_image, **RUN)
+            assert tr.current() == frozenset() and tr.blocks_resident() == set()
+        np.testing.assert_array_equal(frames, deep_reference)
+        assert only(tr.seen("DiT"), "transformer") and only(tr.seen("TE"), "text_encoder")
+        assert only(tr.seen("VAE.enc"), "vae") and only(tr.seen("VAE.dec"), "vae")
+        # every block ran on the device, with at most K + 2 blocks there
+        assert len(tr.block_snapshots) == DEPTH * 2 * RUN["steps"]
+        assert all(here for _, _, here, _ in tr.block_snapshots)
+        assert max(n for _, n, _, _ in tr.block_snapshots) <= k + 2
+        assert tr.max_blocks_resident == k + 2  # the next block really is prefetched
+        # the non-block weights are resident during the DiT, nothing else of the other components
+        block_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.blocks[0].parameters())
+        dit_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
+        non_block = dit_bytes - DEPTH * block_bytes
+        te_bytes = sum(p.numel() * p.element_size() for p in pipe.text_encoder.parameters())
+        assert tr.peak_bytes <= max(te_bytes, non_block + (k + 2) * block_bytes)
+    finally:
+        pipe.release()
+
+
+def test_block_inputs_on_the_hook_device(deep_package):
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        pipe.transformer._hf_hook.execution_device = FAKE
+        with ResidencyTracker(pipe) as tr, fake_accelerator(pipe) as req:
+            leave_resident(pipe, tr)
+            pipe.generate("a cat", **RUN)
+            assert tr.current() == frozenset()
+        assert_placed_on_hook_device(req, ("encode_text", "denoise", "vae_decode"))
+        # the block weights themselves were copied to the hook's device
+        assert {d for mod, fn, d in req if fn == "onload" and d is not None} == {FAKE}
+    finally:
+        pipe.release()
+
+
+def test_block_moe_frames_equal_no_offload(packages, test_image):
+    pipe = load_pipeline(packages["moe"], device="cpu")
+    try:
+        reference = pipe.generate("a cat", output_type="latent", **RUN)
+        pipe.set_offload("block", blocks_on_gpu=0)
+        assert torch.equal(pipe.generate("a cat", output_type="latent", **RUN), reference)
+    finally:
+        pipe.release()
+
+
+def test_block_exception_mid_forward_leaves_nothing(deep_package, deep_reference, test_image):
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        block = pipe.transformer.blocks[3]
+        with ResidencyTracker(pipe) as tr:
+            with mock.patch.object(type(block.attn), "forward", side_effect=RuntimeError("mid-forward failure")):
+                with pytest.raises(RuntimeError, match="mid-forward"):
+                    pipe.generate("a cat", image=test_image, **RUN)
+            assert tr.current() == frozenset() and tr.blocks_resident() == set()
+        np.testing.assert_array_equal(pipe.generate("a cat", image=test_image, **RUN), deep_reference)
+    finally:
+        pipe.release()
+
+
+def test_block_switching_and_release(deep_package, deep_reference, test_image):
+    pipe = load_pipeline(deep_package, device="cpu")
+    pipe.set_offload("block", blocks_on_gpu=3)
+    np.testing.assert_array_equal(pipe.generate("a cat", image=test_image, **RUN), deep_reference)
+    assert pipe.blocks_on_gpu == 3
+    pipe.set_offload("sequential")
+    pipe.set_offload("none")  # every block's tensors are back in place, unhooked
+    assert not any(hasattr(m, "_hf_hook") for c in pipe.offloader.components.values() for m in c.modules())
+    assert all(p.device.type == "cpu" for p in pipe.transformer.parameters())
+    refs = [weakref.ref(m) for m in (pipe.transformer, pipe.text_encoder, pipe.vae)]
+    pipe.release()
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None]
+
+
+@pytest.mark.parametrize("bad", [-1, 65, 1.5, True, "2"])
+def test_blocks_on_gpu_validated(deep_package, bad):
+    with pytest.raises(ValueError, match="blocks_on_gpu=.*integer from 0 to 64"):
+        load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=bad)
