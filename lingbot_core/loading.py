@@ -159,15 +159,20 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
     return model.eval().requires_grad_(False)
 
 
+def read_config(folder: Path, component: str) -> dict:
+    """A component's ``config.json``, with an error naming the component when it is missing or broken."""
+    config_path = Path(folder) / "config.json"
+    try:
+        return json.loads(config_path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelPackageError(f"{component}: {config_path} is missing.") from None
+    except ValueError as e:
+        raise ModelPackageError(f"{component}: {config_path} is not valid JSON ({e}).") from None
+
+
 def _transformer_on_meta(folder: Path, name: str) -> LingBotVideoTransformer3DModel:
     """The DiT described by ``config.json``, built on ``meta`` (no memory)."""
-    config_path = folder / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelPackageError(f"{name}: {config_path} is missing.") from None
-    except ValueError as e:
-        raise ModelPackageError(f"{name}: {config_path} is not valid JSON ({e}).") from None
+    config = read_config(folder, name)
     try:
         with torch.device("meta"):
             return LingBotVideoTransformer3DModel.from_config(config)

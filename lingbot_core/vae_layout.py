@@ -9,14 +9,13 @@ and values, so a latent decodes to the same frames in either layout.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Dict, Mapping
 
 import torch
 
-from .loading import ModelPackageError, safetensors_files
+from .loading import ModelPackageError, read_config, safetensors_files
 
 # The architecture the original Wan 2.1 loaders build (ComfyUI reads only the base width from the
 # weights and assumes the rest), i.e. the released Wan 2.1 VAE at any base width.
@@ -122,13 +121,7 @@ def load_original_wan21(package_dir) -> Dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     folder = Path(package_dir) / "vae"
-    config_path = folder / "config.json"
-    try:
-        config = json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelPackageError(f"vae: {config_path} is missing.") from None
-    except ValueError as e:
-        raise ModelPackageError(f"vae: {config_path} is not valid JSON ({e}).") from None
+    config = read_config(folder, "vae")
     reason = unsupported_reason(config)
     if reason:
         raise ModelPackageError(f"vae: {reason}.")
