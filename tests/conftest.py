@@ -133,3 +133,16 @@ def memory_packages(tmp_path_factory):
         "medium": write_package(root / "lingbot-memory-medium", fp32=True, seed=4, dit=MEMORY_DIT_MEDIUM),
     }
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def inprocess_observations(packages, tmp_path_factory):
+    """What ComfyUI's own executor, run in a child process with the residency tracker and the fake
+    accelerator, observed for the graphs of tests/inprocess_runner.py (one run per session)."""
+    from comfy_host import comfyui_unavailable_reason
+    from inprocess_runner import observations
+
+    reason = comfyui_unavailable_reason()
+    if reason:
+        pytest.skip(reason)
+    return observations(packages["dense"], tmp_path_factory.getbasetemp() / "inprocess")

@@ -17,8 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from comfy_host import comfyui_unavailable_reason
-from inprocess_runner import FRAMES, H, MODES, W, observations
+from inprocess_runner import FRAMES, H, MODES, W
 
 pytestmark = pytest.mark.comfy
 
@@ -28,11 +27,8 @@ CASES = [(mode, graph) for mode in MODES for graph in GRAPHS]
 
 
 @pytest.fixture(scope="module")
-def runs(packages, tmp_path_factory):
-    reason = comfyui_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return observations(packages["dense"], tmp_path_factory.getbasetemp() / "inprocess")["encode"]
+def runs(inprocess_observations):
+    return inprocess_observations["encode"]
 
 
 def resident_sets(snapshots, probe):

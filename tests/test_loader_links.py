@@ -13,18 +13,14 @@ from __future__ import annotations
 
 import pytest
 
-from comfy_host import comfyui_unavailable_reason
-from inprocess_runner import FRAMES, H, LINK_VALUES, MODEL, W, observations
+from inprocess_runner import FRAMES, H, LINK_VALUES, MODEL, W
 
 pytestmark = pytest.mark.comfy
 
 
 @pytest.fixture(scope="module")
-def links(packages, tmp_path_factory):
-    reason = comfyui_unavailable_reason()
-    if reason:
-        pytest.skip(reason)
-    return observations(packages["dense"], tmp_path_factory.getbasetemp() / "inprocess")["links"]
+def links(inprocess_observations):
+    return inprocess_observations["links"]
 
 
 @pytest.mark.parametrize("name", list(LINK_VALUES))
