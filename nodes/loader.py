@@ -8,7 +8,7 @@ import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from .comfy_memory import current_job, pipe_pool
-from .model_folders import list_packages, resolve_package
+from .model_folders import package_choices, resolve_package
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -68,7 +68,7 @@ class LoadLingbotPipeline:
 
     @classmethod
     def INPUT_TYPES(cls):
-        packages = list(list_packages()) or ["(no LingBot-Video package found)"]
+        packages = package_choices()
         return {
             "required": {
                 "model": (packages, {"tooltip": "A folder with model_index.json under models/diffusers or models/lingbot_video."}),

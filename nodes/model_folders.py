@@ -61,6 +61,11 @@ def _scan(folder: str, rel: str, ancestors: tuple, found: Dict[str, str]) -> Non
             _scan(path, sub, ancestors + (real,), found)
 
 
+def package_choices() -> List[str]:
+    """The ``model`` dropdown of every node that picks a package (a placeholder when none is found)."""
+    return list(list_packages()) or ["(no LingBot-Video package found)"]
+
+
 def resolve_package(name: str) -> str:
     """The folder of a listed package; anything else (paths, '..', unknown names) is refused."""
     packages = list_packages()

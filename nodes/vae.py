@@ -5,7 +5,7 @@ from __future__ import annotations
 import comfy.sd
 
 from ..lingbot_core.vae_layout import load_original_wan21
-from .model_folders import list_packages, resolve_package
+from .model_folders import package_choices, resolve_package
 
 
 class LoadLingbotVAE:
@@ -22,7 +22,7 @@ class LoadLingbotVAE:
 
     @classmethod
     def INPUT_TYPES(cls):
-        packages = list(list_packages()) or ["(no LingBot-Video package found)"]
+        packages = package_choices()
         return {
             "required": {
                 "model": (packages, {"tooltip": "A LingBot-Video package (folder with model_index.json) under models/diffusers or models/lingbot_video; its vae/ is used."}),
