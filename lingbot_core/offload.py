@@ -228,6 +228,26 @@ class Offloader:
             return self.device
         return execution_device_of(module)
 
+    def device_bytes(self) -> int:
+        """Bytes of weights on a non-CPU, non-meta device right now (what ComfyUI is told is in VRAM)."""
+        seen, total = set(), 0
+        for module in self.components.values():
+            for t in _tensors(module):
+                if t.device.type in ("cpu", "meta") or t.data_ptr() in seen:
+                    continue
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes this offloader holds (offload ``block``'s streaming), 0 otherwise."""
+        transformer = self.components.get("transformer")
+        total = 0
+        for hook in _hooks(transformer) if transformer is not None else ():
+            if isinstance(hook, BlockStreamer):
+                total += hook.pinned_bytes()
+        return total
+
     def resident(self) -> List[str]:
         """Names of components with weights on a non-CPU, non-meta device (diagnostics and tests)."""
         out = []
@@ -282,6 +302,7 @@ class StreamUnit:
                 self.slots.append((module, name, name in module._parameters, home))
                 self._set(module, name, name in module._parameters, home)
         self.nbytes = sum(t.numel() * t.element_size() for *_, t in self.slots)
+        self.pinned = bool(self.slots) and all(t.is_pinned() for *_, t in self.slots)
         self.on_device = False
         self._ready: Optional["torch.cuda.Event"] = None
 
@@ -363,6 +384,9 @@ class BlockStreamer(ModelHook):
         for j, block in enumerate(streamed_blocks):
             add_hook_to_module(block, _StreamedBlockHook(self, j))
         return module
+
+    def pinned_bytes(self) -> int:
+        return sum(u.nbytes for u in self.streamed if u.pinned)
 
     def _side_stream(self):
         if not self._cuda:

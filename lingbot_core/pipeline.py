@@ -140,6 +140,14 @@ class LingbotPipeline:
     def is_refiner(self) -> bool:
         return self.transformer_subfolder == "refiner"
 
+    def device_bytes(self) -> int:
+        """Weight bytes resident on the execution device right now (0 between stages when offloaded)."""
+        return 0 if self.transformer is None else self.offloader.device_bytes()
+
+    def pinned_bytes(self) -> int:
+        """Page-locked host bytes held for this pipeline's weights."""
+        return 0 if self.transformer is None else self.offloader.pinned_bytes()
+
     def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None) -> None:
         """Switch offload mode on the loaded weights (old hooks are removed first; no reload).
         ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
