@@ -158,3 +158,21 @@ def format_bytes(n: Optional[int]) -> str:
     if n is None:
         return "unknown"
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.0f} MiB"
+
+
+RAM_BUDGET_ENV = "LINGBOT_RAM_BUDGET_GB"
+
+
+def ram_budget_from_env(environ=None) -> Optional[int]:
+    """``LINGBOT_RAM_BUDGET_GB`` in bytes (GB counted as GiB, ``1024 ** 3``), or None when unset/empty."""
+    raw = (os.environ if environ is None else environ).get(RAM_BUDGET_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        gb = float(raw)
+    except ValueError:
+        raise ValueError(f"{RAM_BUDGET_ENV}={raw!r} is not a number; set it to the GB of RAM LingBot "
+                         "pipelines may hold (e.g. 48), or unset it to use the RAM available.") from None
+    if not gb > 0 or gb != gb or gb == float("inf"):
+        raise ValueError(f"{RAM_BUDGET_ENV}={raw!r} must be a positive, finite number of GB.")
+    return int(gb * 1024 ** 3)

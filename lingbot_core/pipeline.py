@@ -51,6 +51,11 @@ class ImageCondition:
     def fingerprint(self) -> str:
         return hashlib.sha1(self.pixels.numpy().tobytes()).hexdigest()
 
+    def _comfy_cache_tensors(self):
+        """What a host's RAM-pressure output cache (ComfyUI >= 0.4) counts for a cached condition: its
+        CPU tensors, which evicting it really frees (the scanner does not look inside dataclasses)."""
+        return [self.posterior.moments, self.pixels]
+
 
 def _check_guidance(guidance_scale: float) -> float:
     g = float(guidance_scale)

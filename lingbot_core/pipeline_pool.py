@@ -287,6 +287,12 @@ class LazyPipeline:
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self._normalizer: Optional[LatentNormalizer] = None
 
+    def _comfy_cache_tensors(self):
+        """What a host's RAM-pressure output cache counts for a cached handle: nothing. The weights
+        belong to the pool, not to the handle, so evicting a handle frees no RAM (the pool's budget
+        and release() do); counting them would make the cache evict other outputs for nothing."""
+        return []
+
     def __repr__(self) -> str:
         state = "loaded" if self.loaded else "not loaded"
         return f"LazyPipeline({self.spec.label}, offload={self.offload}, {state})"

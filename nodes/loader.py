@@ -7,7 +7,7 @@ import logging
 import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
-from .comfy_memory import current_job, pipe_pool
+from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import package_choices, resolve_package
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -38,8 +38,13 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
     if text_encoder_precision != "auto":
         dtypes["text_encoder"] = text_encoder_precision
     return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
-                              dtypes=dtypes, device=comfy.model_management.get_torch_device(),
+                              dtypes=dtypes, device=comfy_device(),
                               blocks_on_gpu=blocks_on_gpu)
+
+
+def comfy_device():
+    """ComfyUI's compute device (CUDA, MPS, CPU...), or the core's own choice if ComfyUI cannot say."""
+    return guarded("get_torch_device", "the pack picks the device itself", comfy.model_management.get_torch_device)
 
 
 def _consumers(prompt, node_id) -> list:
@@ -122,5 +127,5 @@ class UnloadLingbotPipeline:
     def unload(self, pipe, frames):
         if not pipe.release():
             logger.info("LingBot-Video: %s was not loaded; nothing to unload.", pipe.spec.label)
-        comfy.model_management.soft_empty_cache()
+        guarded("soft_empty_cache", "the CUDA cache was not emptied", comfy.model_management.soft_empty_cache)
         return (frames,)

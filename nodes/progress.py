@@ -7,6 +7,8 @@ import comfy.utils
 import latent_preview
 from comfy import latent_formats
 
+from .comfy_memory import guarded
+
 
 
 def step_callback(node_id=None, total: int = 1):
@@ -16,7 +18,9 @@ def step_callback(node_id=None, total: int = 1):
     The bar takes its length from the core's callback, so nodes need not recompute the schedule.
     """
     bar = comfy.utils.ProgressBar(total, node_id=node_id)
-    previewer = latent_preview.get_previewer(comfy.model_management.get_torch_device(), latent_formats.Wan21())
+    device = guarded("get_torch_device", "no live preview", comfy.model_management.get_torch_device)
+    previewer = None if device is None else guarded(
+        "latent_preview.get_previewer", "no live preview", latent_preview.get_previewer, device, latent_formats.Wan21())
 
     def callback(step: int, steps: int, x0):
         comfy.model_management.throw_exception_if_processing_interrupted()
