@@ -242,3 +242,63 @@ def test_block_release_returns_the_pins(deep_package):
         assert pipe.pinned_bytes() == sum(pins.calls) > 0
     assert handle.release()
     assert len(pins.buffers) == 2 and all(b.tensor is None and not b.pinned for b in pins.buffers)
+
+
+def test_block_pins_are_counted_in_the_ram_budget(deep_package, monkeypatch):
+    """The budget reserves the ring's pinned bytes for a pipeline in offload ``block`` on CUDA (spec on
+    ``cuda:0``; nothing is loaded, the budget answers first), and that estimate equals the ring's real
+    pinned bytes (the same package streamed on the fake device)."""
+    import lingbot_core.pipeline_pool as pp
+    from lingbot_core import MemoryBudgetError, PipelinePool
+
+    probe = PipelinePool()
+    spec = probe.handle(deep_package, device="cuda:0", dtypes={"transformer": "fp32", "text_encoder": "fp32"}).spec
+    weights, pins = probe.weight_bytes(spec), probe.pin_bytes(spec)
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    counter = PinCounter()
+    try:
+        ring_run(pipe, counter, runs=1, **dict(RUN, steps=1))
+        assert pins == sum(counter.calls) == pipe.pinned_bytes() > 0
+    finally:
+        pipe.release()
+
+    class Reached(Exception):
+        pass
+
+    def no_load(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(pp, "load_pipeline", no_load)
+    pool = PipelinePool(budget=weights + pins - 1, headroom=0)
+    kw = dict(device="cuda:0", dtypes={"transformer": "fp32", "text_encoder": "fp32"})
+    with pytest.raises(MemoryBudgetError, match=r"offload 'block''s pinned staging buffers needs about"):
+        pool.handle(deep_package, offload="block", **kw).encode_prompt("a cat", guidance_scale=1.0)
+    with pytest.raises(Reached):  # the weights alone fit
+        pool.handle(deep_package, offload="model", **kw).encode_prompt("a cat", guidance_scale=1.0)
+    pool = PipelinePool(budget=weights + pins, headroom=0)
+    with pytest.raises(Reached):
+        pool.handle(deep_package, offload="block", **kw).encode_prompt("a cat", guidance_scale=1.0)
+
+
+def test_changing_blocks_on_gpu_on_a_pipeline_already_in_block_mode(deep_package):
+    """A loader whose blocks_on_gpu changed gives a new handle on the same loaded weights: the next stage
+    streams with the new K (and LazyPipeline.set_offload does the same)."""
+    from lingbot_core import PipelinePool
+
+    def streamed(pipe):
+        return [i for i, b in enumerate(pipe.transformer.blocks) if hasattr(b, "_hf_hook")]
+
+    pool = PipelinePool(headroom=0)
+    first = pool.handle(deep_package, offload="block", device="cpu", blocks_on_gpu=1)
+    first.generate("a cat", **dict(RUN, steps=1))
+    with pool.use(first) as pipe:
+        assert streamed(pipe) == list(range(1, DEPTH)) and pipe.blocks_on_gpu == 1
+    second = pool.handle(deep_package, offload="block", device="cpu", blocks_on_gpu=4)
+    second.generate("a cat", **dict(RUN, steps=1))
+    with pool.use(second) as pipe2:
+        assert pipe2 is pipe and streamed(pipe) == [4, 5] and pipe.blocks_on_gpu == 4
+    second.set_offload("block", blocks_on_gpu=0)
+    with pool.use(second):
+        assert streamed(pipe) == list(range(DEPTH))
+    assert len(pool.loaded()) == 1
+    pool.release_idle()

@@ -186,3 +186,51 @@ def _hooks(module):
 def _weights_map_tensors(hook):
     data = getattr(getattr(hook, "weights_map", None), "dataset", None)  # accelerate's PrefixedDataset
     return [t for t in (data or {}).values() if isinstance(t, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Budget arithmetic against the real bytes of the packages' files (issue 15 item 7)
+# ---------------------------------------------------------------------------------------------
+
+
+def file_tensor_bytes(root, subfolders=("transformer", "text_encoder", "vae")) -> int:
+    """Bytes of every tensor in every safetensors file of the components, read with safetensors itself."""
+    from safetensors import safe_open
+
+    total = 0
+    for sub in subfolders:
+        for path in sorted((root / sub).glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def test_weight_bytes_count_every_file_of_a_sharded_package(packages):
+    root = packages["moe_sharded"]  # fp32 files loaded in fp32 on the CPU: loaded bytes = file bytes
+    assert len(list((root / "transformer").glob("*.safetensors"))) == 2
+    pool = PipelinePool()
+    spec = pool.handle(root, device="cpu").spec
+    assert pool.weight_bytes(spec) == file_tensor_bytes(root)
+
+
+@pytest.mark.parametrize("spare", [-1, 0])
+def test_headroom_is_kept_free_not_added_to_the_available_ram(packages, monkeypatch, spare):
+    import lingbot_core.pipeline_pool as pp
+
+    root = packages["dense"]
+    need = file_tensor_bytes(root)
+    headroom = pp.DEFAULT_HEADROOM
+    monkeypatch.setattr(pp, "available_ram", lambda: need + headroom + spare)
+    pool = PipelinePool()
+    handle = pool.handle(root, device="cpu")
+    if spare < 0:  # one byte short of weights + headroom: refused before reading a byte
+        monkeypatch.setattr(pp, "load_pipeline", lambda *a, **k: pytest.fail("weights were read"))
+        with pytest.raises(MemoryBudgetError, match=r"of RAM available \(keeping 1.00 GiB free\)"):
+            handle.encode_prompt("a kite", guidance_scale=1.0)
+        assert not handle.loaded
+    else:
+        handle.encode_prompt("a kite", guidance_scale=1.0)
+        assert handle.loaded
+        pool.release_idle()
