@@ -414,6 +414,13 @@ class BlockRing:
         if not self.device_slots:
             self.device_slots = [_DeviceSlot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
                                  for _ in range(self.slots)]
+            if device.type == "cuda" and torch.cuda.is_available():
+                # The allocator may hand out memory that kernels queued on the compute stream still read
+                # (stream-ordered reuse): the side stream must not write into it before they have run.
+                allocated = torch.cuda.Event()
+                allocated.record(torch.cuda.current_stream(device))
+                for slot in self.device_slots:
+                    slot.done = allocated
         for _ in range(self.slots):
             slot = self.device_slots[self._next_device]
             self._next_device = (self._next_device + 1) % self.slots

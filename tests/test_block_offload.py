@@ -302,3 +302,19 @@ def test_changing_blocks_on_gpu_on_a_pipeline_already_in_block_mode(deep_package
         assert streamed(pipe) == list(range(DEPTH))
     assert len(pool.loaded()) == 1
     pool.release_idle()
+
+
+def test_block_ring_carries_fp8_moe_blocks(packages):
+    """The MoE's raw expert stacks and the fp8 scales are weights like any other: through the ring on
+    the fake device the fp8 MoE gives the frames of offload none."""
+    pipe = load_pipeline(packages["moe"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    run = dict(RUN, steps=1, output_type="latent")
+    try:
+        reference = pipe.generate("a cat", **run)
+        pipe.set_offload("block", blocks_on_gpu=0)
+        pins = PinCounter()
+        _, seen, (latent,) = ring_run(pipe, pins, runs=1, **run)
+        assert len(pins.calls) == 2 and seen and all(inside and equal for inside, equal in seen)
+        torch.testing.assert_close(latent, reference, rtol=0, atol=1e-4)
+    finally:
+        pipe.release()
