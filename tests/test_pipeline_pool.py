@@ -234,3 +234,27 @@ def test_headroom_is_kept_free_not_added_to_the_available_ram(packages, monkeypa
         handle.encode_prompt("a kite", guidance_scale=1.0)
         assert handle.loaded
         pool.release_idle()
+
+
+def test_switching_into_block_makes_room_for_its_pins(packages, monkeypatch):
+    """A loaded pipeline switched to offload 'block' pins its staging ring: the pool makes room for those
+    bytes first (evicting an idle pipeline), or refuses clearly. Pins exist only on CUDA, so this CPU
+    test states the ring's size for the dense spec."""
+    probe = PipelinePool()
+    dense_spec = probe.handle(packages["dense"], device="cpu").spec
+    moe_spec = probe.handle(packages["moe"], device="cpu").spec
+    pins = 4096
+    pool = budget_pool(probe.weight_bytes(dense_spec) + probe.weight_bytes(moe_spec) + pins - 1)
+    monkeypatch.setattr(pool, "pin_bytes", lambda spec: pins if spec == dense_spec else 0)
+    moe = pool.handle(packages["moe"], device="cpu")
+    pool.handle(packages["dense"], offload="model", device="cpu").encode_prompt("a kite", guidance_scale=1.0)
+    moe.encode_prompt("a kite", guidance_scale=1.0)
+    block = pool.handle(packages["dense"], offload="block", device="cpu")
+    with pool.use(moe):  # running: cannot be evicted
+        with pytest.raises(MemoryBudgetError, match=r"switching to offload 'block' \(pinned staging buffers\) needs about"):
+            block.encode_prompt("a kite", guidance_scale=1.0)
+    block.encode_prompt("a kite", guidance_scale=1.0)  # the idle MoE pipeline makes room
+    assert pool.loaded() == (dense_spec,)
+    with pool.use(block) as pipe:
+        assert pipe.offload == "block"
+    pool.release_idle()
