@@ -17,7 +17,8 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    load (and one untimed one-step warm-up). Before every row the prompt cache is cleared (so the text
    encoder, the largest transfer of ``model`` and ``block``, is timed), the device cache is emptied
    and the peak statistics are reset. Per row: generate seconds, ``max_memory_allocated``, the pinned
-   host bytes (the pipeline's ``pinned_bytes()`` and ``torch.cuda.host_memory_stats()``), RSS (now and
+   host bytes (the pipeline's ``pinned_bytes()``, ``torch.cuda.host_memory_stats()`` and the kernel's
+   VmPin / VmLck, also after each load is released), RSS (now and
    the row's peak), and the frames' SHA-256 for each of ``repeats`` runs. Frames must be identical
    across the repeats and equal to the row named in ``same_as`` (default: the first row of its load with
    the same steps and ``generate`` options);
@@ -162,6 +163,12 @@ def _host_pins(device) -> dict:
     return {k: v for k, v in stats.items() if "bytes" in k or k.startswith("num_host")}
 
 
+def _locked_mib() -> dict:
+    """Page-locked memory as the kernel counts it: VmPin (pages pinned by a driver that accounts them) and
+    VmLck (mlock); recorded, not judged, as drivers differ in what they account."""
+    return {k: round((_status_kib(k) or 0) / 1024) for k in ("VmPin", "VmLck")}
+
+
 # -- packages --------------------------------------------------------------------------------------
 
 
@@ -255,8 +262,10 @@ def workload(device, steps: Optional[int]) -> dict:
     return work
 
 
-def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadline: float, emit) -> None:
-    """Run ``rows`` in this process, one load per :meth:`Row.load_key`; ``emit(row_result)`` after each."""
+def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadline: float, emit,
+             released=None) -> None:
+    """Run ``rows`` in this process, one load per :meth:`Row.load_key`; ``emit(row_result)`` after each
+    row, ``released(info)`` after each load's release (what stays pinned then)."""
     from bench.offload import CPU_NEGATIVE, PROMPT
     from lingbot_core import load_pipeline
 
@@ -288,6 +297,8 @@ def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadlin
                 emit(run_row(pipe, r, device, base, work, load_s, PROMPT))
         finally:
             pipe.release()
+        if released is not None:
+            released({"load": [r.name for r in group], "locked_mib": _locked_mib(), "host_memory_stats": _host_pins(device)})
 
 
 def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt: str) -> dict:
@@ -324,7 +335,7 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
            "blocks_on_gpu": r.blocks_on_gpu, "allocator": r.allocator, "steps": steps, "repeats": r.repeats,
            "load_s": round(load_s, 1), "generate_s": [round(t, 2) for t in times], "text_encoder_forwards": len(te_calls),
            "frames_sha256": shas[0], "repeats_identical": len(set(shas)) == 1, "frames_finite": finite,
-           "pinned_bytes": pinned, "host_memory_stats": _host_pins(device),
+           "pinned_bytes": pinned, "host_memory_stats": _host_pins(device), "locked_mib": _locked_mib(),
            "rss_mib": round((_status_kib("VmRSS") or 0) / 1024), "rss_peak_mib": round(rss_peak / 1024)}
     if cuda:
         out["max_memory_allocated_mib"] = round(peak_alloc / MIB)
@@ -445,6 +456,10 @@ def markdown(report: dict) -> str:
                 f"{r['pinned_bytes'] / MIB:.0f} | {'—' if host is None else round(host / MIB)} | {r['rss_peak_mib']} | "
                 f"{'yes' if r['repeats_identical'] else 'NO'} | {same.get('row') or '—'} | {eq} |")
         lines.append("")
+    rel = report.get("after_release")
+    if rel:
+        lines += ["Locked host memory after each load was released (VmPin / VmLck MiB): "
+                  + "; ".join(f"{x['load'][0]}...: {x['locked_mib']['VmPin']} / {x['locked_mib']['VmLck']}" for x in rel), ""]
     moe = report.get("moe")
     if moe:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
@@ -537,7 +552,13 @@ def main(argv=None) -> int:
 
             here = [r for r in rows if r.allocator == "native"]
             child = [r for r in rows if r.allocator == "cudaMallocAsync"]
-            run_rows(here, device, pkgs, work, deadline, emit)
+            report["after_release"] = []
+
+            def released(info):
+                report["after_release"].append(info)
+                write(report, out, t_start)
+
+            run_rows(here, device, pkgs, work, deadline, emit, released)
             if child and device.type == "cuda":
                 log(f"rows under PYTORCH_CUDA_ALLOC_CONF={ASYNC_ALLOC} (child process) ...")
                 rows_in_child(child, args, deadline, emit)

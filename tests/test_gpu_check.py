@@ -44,6 +44,8 @@ def test_gpu_check_tiny_cpu(tmp_path):
         assert r["frames_finite"] and r["repeats_identical"] and len(r["generate_s"]) == r["repeats"]
         assert r["text_encoder_forwards"] >= r["repeats"]  # the prompt cache was cleared: the encoder ran each time
         assert r["rss_peak_mib"] >= r["rss_mib"] > 0 and r["pinned_bytes"] == 0  # nothing is pinned on a CPU
+    assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none"]
+    assert all(set(x["locked_mib"]) == {"VmPin", "VmLck"} for x in report["after_release"])
     assert rows["dense-bf16-block"]["same_as"] == {"row": "dense-bf16-none", "equal": True}
     assert rows["moe-fp8-block"]["same_as"] == {"row": "moe-fp8-none", "equal": True}
     assert rows["dense-bf16-block-repeats"]["repeats"] == 5 and rows["dense-bf16-block-repeats"]["steps"] == 2
