@@ -318,3 +318,18 @@ def test_block_ring_carries_fp8_moe_blocks(packages):
         torch.testing.assert_close(latent, reference, rtol=0, atol=1e-4)
     finally:
         pipe.release()
+
+
+def test_host_memory_is_pinned_in_one_place_only():
+    """The ring's counts above see every pin only if nothing pins elsewhere: no ``pin_memory`` or
+    ``cudaHostRegister`` in the core outside ``host_memory.py``. Off CUDA a buffer is plain memory."""
+    from pathlib import Path
+
+    core = Path(host_memory.__file__).parent
+    offenders = [p.name for p in core.glob("*.py") if p.name != "host_memory.py"
+                 and any(w in p.read_text(encoding="utf-8") for w in ("pin_memory", "cudaHostRegister", "cudaHostAlloc"))]
+    assert offenders == []
+    buf = host_memory.pinned_buffer(1000)
+    assert buf.tensor.numel() == 1000 and buf.pinned == torch.cuda.is_available()
+    buf.free()
+    assert buf.tensor is None and not buf.pinned
