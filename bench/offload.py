@@ -128,8 +128,41 @@ def _random_tensor(name: str, shape, dtype, gen) -> "torch.Tensor":
     return t
 
 
-def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optional[int]) -> None:
-    """Write ``specs`` [(name, shape, dtype)] as one file or as shards + index, one shard in memory at a time."""
+class TiledFill:
+    """A fast stand-in for :func:`_random_tensor` (used by ``scripts/gpu-check``, which builds its packages
+    inside a device's time limit): every tensor is a window of one pool of N(0, 0.02) draws (norm scales
+    1 + the same), starting at a random offset. The pool (4,194,301 values, a prime, so matrix rows do not
+    line up with it) is drawn once; filling is then a memory copy, not 50-100 M normal draws a second."""
+
+    POOL = 4_194_301
+
+    def __init__(self, gen):
+        import torch
+
+        self.gen = gen
+        self.pool = torch.empty(self.POOL, dtype=torch.float32).normal_(0.0, INIT_STD, generator=gen)
+        self._cast = {}
+
+    def __call__(self, name: str, shape, dtype, gen=None) -> "torch.Tensor":
+        import torch
+
+        pool = self._cast.setdefault(dtype, self.pool.to(dtype))
+        t = torch.empty(shape, dtype=dtype)
+        flat = t.view(-1)
+        pos = int(torch.randint(0, self.POOL, (1,), generator=self.gen))
+        done = 0
+        while done < flat.numel():
+            n = min(flat.numel() - done, self.POOL - pos)
+            flat[done:done + n].copy_(pool[pos:pos + n])
+            done, pos = done + n, 0
+        if _is_norm_weight(name):
+            t.add_(1.0)
+        return t
+
+
+def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optional[int], fill=None) -> None:
+    """Write ``specs`` [(name, shape, dtype)] as one file or as shards + index, one shard in memory at a time.
+    ``fill(name, shape, dtype, gen)`` makes each tensor (default :func:`_random_tensor`)."""
     from safetensors.torch import save_file
 
     import torch
@@ -152,7 +185,7 @@ def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optiona
     weight_map = {}
     for i, group in enumerate(groups, 1):
         fname = f"{stem}.safetensors" if len(groups) == 1 else f"{stem}-{i:05d}-of-{len(groups):05d}.safetensors"
-        tensors = {name: _random_tensor(name, shape, dtype, gen) for name, shape, dtype in group}
+        tensors = {name: (fill or _random_tensor)(name, shape, dtype, gen) for name, shape, dtype in group}
         save_file(tensors, str(folder / fname), metadata={"format": "pt"})
         del tensors
         gc.collect()
@@ -163,8 +196,9 @@ def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optiona
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
 
 
-def build_full_package(root: Path, seed: int = 0) -> Dict:
-    """Write the full-size package into ``root`` (which must not exist). Returns the build info."""
+def build_full_package(root: Path, seed: int = 0, fill=None) -> Dict:
+    """Write the full-size package into ``root`` (which must not exist). Returns the build info.
+    ``fill``: see :func:`_write_safetensors` (e.g. a :class:`TiledFill`)."""
     import torch
     from diffusers import AutoencoderKLWan
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
@@ -196,7 +230,7 @@ def build_full_package(root: Path, seed: int = 0) -> Dict:
     (root / "transformer").mkdir()
     (root / "transformer" / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
     specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
-    _write_safetensors(root / "transformer", "diffusion_pytorch_model", specs, gen, None)
+    _write_safetensors(root / "transformer", "diffusion_pytorch_model", specs, gen, None, fill)
     info["transformer"] = {"params": n, "seconds": round(time.perf_counter() - t0, 1)}
     del dit
     log(f"  transformer: {n:,} params in {info['transformer']['seconds']} s")
@@ -218,7 +252,7 @@ def build_full_package(root: Path, seed: int = 0) -> Dict:
     te_cfg.save_pretrained(root / "text_encoder")
     GenerationConfig.from_model_config(te_cfg).save_pretrained(root / "text_encoder")
     specs = [(k, tuple(p.shape), torch.bfloat16) for k, p in params.items()]
-    _write_safetensors(root / "text_encoder", "model", specs, gen, TE_SHARD_BYTES)
+    _write_safetensors(root / "text_encoder", "model", specs, gen, TE_SHARD_BYTES, fill)
     info["text_encoder"] = {"params": n, "vision_params": nv, "seconds": round(time.perf_counter() - t0, 1)}
     del te, params
     log(f"  text_encoder: {n:,} params in {info['text_encoder']['seconds']} s")
@@ -232,7 +266,7 @@ def build_full_package(root: Path, seed: int = 0) -> Dict:
     (root / "vae").mkdir()
     vae.save_config(root / "vae")
     specs = [(k, tuple(v.shape), torch.float32) for k, v in vae.state_dict().items()]
-    _write_safetensors(root / "vae", "diffusion_pytorch_model", specs, gen, None)
+    _write_safetensors(root / "vae", "diffusion_pytorch_model", specs, gen, None, fill)
     info["vae"] = {"params": n, "seconds": round(time.perf_counter() - t0, 1)}
     del vae
     log(f"  vae: {n:,} params in {info['vae']['seconds']} s")
@@ -242,9 +276,10 @@ def build_full_package(root: Path, seed: int = 0) -> Dict:
     return info
 
 
-def ensure_full_package(workdir: Path) -> tuple:
-    """The cached full-size package (built on first use). Returns (path, info, build seconds or 0)."""
-    root = workdir / f"lingbot-bench-dense-full-v{FULL_PACKAGE_VERSION}"
+def ensure_full_package(workdir: Path, tiled: bool = False) -> tuple:
+    """The cached full-size package (built on first use). Returns (path, info, build seconds or 0).
+    ``tiled``: weights from :class:`TiledFill` (builds in seconds; a separate cache entry)."""
+    root = workdir / f"lingbot-bench-dense-full-v{FULL_PACKAGE_VERSION}{'-tiled' if tiled else ''}"
     marker = root / "BUILD_INFO.json"
     if marker.is_file():
         return root, json.loads(marker.read_text()), 0.0
@@ -258,7 +293,13 @@ def ensure_full_package(workdir: Path) -> tuple:
         raise SystemExit(f"error: the full-size package needs about {FULL_PACKAGE_BYTES / 1e9:.1f} GB; only "
                          f"{free / 1e9:.1f} GB free in {workdir}. Use --workdir elsewhere or --size tiny.")
     log(f"building the full-size package in {root} (once; about {FULL_PACKAGE_BYTES / 1e9:.1f} GB) ...")
-    info = build_full_package(partial)
+    if tiled:
+        import torch
+
+        info = build_full_package(partial, fill=TiledFill(torch.Generator().manual_seed(0)))
+        info["init"] += "; tiled from one pool of 4,194,301 draws (TiledFill)"
+    else:
+        info = build_full_package(partial)
     (partial / "BUILD_INFO.json").write_text(json.dumps(info, indent=2) + "\n")
     partial.rename(root)
     log(f"built in {info['build_s']} s, {info['bytes'] / 1e9:.2f} GB")

@@ -123,8 +123,13 @@ def tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> i
 
     ``keep_fp32(name)`` marks tensors that stay fp32 whatever ``dtype`` is (the DiT's fp32 islands).
     """
+    return sum(_loaded_tensor_bytes(path, dtype, keep_fp32).values())
+
+
+def _loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> Dict[str, int]:
+    """Bytes of each tensor of ``path`` once loaded (see :func:`tensor_bytes`)."""
     target = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
-    total = 0
+    out = {}
     for name, info in safetensors_header(path).items():
         count = 1
         for d in info["shape"]:
@@ -133,8 +138,8 @@ def tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> i
         size = _SAFETENSORS_ITEMSIZE.get(tag, 4)
         if tag in _FLOAT_TAGS and target is not None:
             size = 4 if keep_fp32 is not None and keep_fp32(name) else target
-        total += count * size
-    return total
+        out[name] = count * size
+    return out
 
 
 def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype]) -> int:
@@ -152,6 +157,23 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
         for path in safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)
     return total
+
+
+def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype) -> int:
+    """Pinned host bytes offload ``block`` takes on a CUDA device: its staging buffers, each as large as
+    the largest DiT block (tensors aligned as in the ring; headers only, no weights read)."""
+    from .loading import safetensors_files
+    from .offload import RING_ALIGN, RING_SLOTS
+    from .transformer import is_fp32_island
+
+    folder = Path(model_dir) / transformer_subfolder
+    per_block: Dict[str, int] = {}
+    for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model"):
+        for name, n in _loaded_tensor_bytes(path, dtype, is_fp32_island).items():
+            parts = name.split(".")
+            if len(parts) > 2 and parts[0] == "blocks":
+                per_block[parts[1]] = per_block.get(parts[1], 0) + -(-n // RING_ALIGN) * RING_ALIGN
+    return RING_SLOTS * max(per_block.values(), default=0)
 
 
 def format_bytes(n: Optional[int]) -> str:

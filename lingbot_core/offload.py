@@ -7,7 +7,8 @@ own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a 
 tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert weights).
 ``block`` places the text encoder and VAE as ``model`` does and streams the DiT block by block
 (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident, every other block is copied in just
-before it runs while the next one is prefetched on a side CUDA stream from pinned memory.
+before it runs while the next one is prefetched on a side CUDA stream, through a fixed ring of two
+device buffers and two exact-size pinned staging buffers (:class:`BlockRing`).
 
 The chain assumes a fixed call order; a ComfyUI graph gives none. :meth:`Offloader.stage` therefore
 evicts everything before and after each stage, also when the stage raises or is interrupted, so a
@@ -27,6 +28,8 @@ from accelerate.hooks import (
     AlignDevicesHook, ModelHook, SequentialHook, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module,
 )
 from accelerate.utils import send_to_device
+
+from . import host_memory
 
 logger = logging.getLogger("lingbot_core")
 
@@ -83,8 +86,10 @@ def execution_device_of(module: nn.Module) -> torch.device:
 
 
 def empty_device_cache(device: torch.device) -> None:
+    """Return freed device memory, and the pinned host blocks PyTorch keeps cached after they were freed."""
     if device.type == "cuda" and torch.cuda.is_available():
         torch.cuda.empty_cache()
+        host_memory.empty_host_cache()
 
 
 class Offloader:
@@ -280,31 +285,42 @@ def _has_materialised(module: nn.Module, hook: AlignDevicesHook) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 
+# Byte alignment of each tensor inside a ring buffer (vectorised kernels want at least 16; PyTorch's own
+# CUDA allocations are 512-aligned, CPU ones 64).
+RING_ALIGN = 256
+# Device buffers (and as many pinned staging buffers) that the streamed blocks take turns in: the
+# block that runs and the next one, so at most ``blocks_on_gpu + 2`` blocks are on the device.
+RING_SLOTS = 2
+
+
+def _aligned(n: int) -> int:
+    return -(-n // RING_ALIGN) * RING_ALIGN
+
+
 class StreamUnit:
     """The tensors of one placement unit (a DiT block, or the DiT's non-block weights plus the resident
-    blocks) with their CPU home copies. ``onload`` points the modules at device copies, ``offload``
-    back at the CPU copies; nothing else moves."""
+    blocks) with their CPU home tensors. ``onload`` points the modules at device copies (for a streamed
+    block: views into a buffer of its streamer's :class:`BlockRing`), ``offload`` back at the homes;
+    the homes never move and are never copied on the host except into the ring's staging buffers."""
 
-    def __init__(self, label: str, modules: Iterable[nn.Module], pin: bool):
+    def __init__(self, label: str, modules: Iterable[nn.Module], ring: Optional["BlockRing"] = None):
         self.label = label
+        self.ring = ring
         self.slots = []  # (module, name, is_parameter, cpu tensor)
+        self.offsets = []  # byte offset of each tensor in a ring buffer
+        span = 0
         for module in modules:
             for name, t in list(module._parameters.items()) + list(module._buffers.items()):
                 if t is None:
                     continue
                 home = t.data
-                if pin and not home.is_pinned():
-                    try:
-                        home = home.pin_memory()
-                    except RuntimeError as e:  # e.g. a pinned-memory limit (WSL): stream from pageable memory
-                        logger.info("offload=block: could not pin %s (%s); copies will not overlap compute.", label, e)
-                        pin = False
                 self.slots.append((module, name, name in module._parameters, home))
-                self._set(module, name, name in module._parameters, home)
+                self.offsets.append(span)
+                span += _aligned(home.numel() * home.element_size())
         self.nbytes = sum(t.numel() * t.element_size() for *_, t in self.slots)
-        self.pinned = bool(self.slots) and all(t.is_pinned() for *_, t in self.slots)
+        self.span = span  # bytes this unit takes in a ring buffer
         self.on_device = False
-        self._ready: Optional["torch.cuda.Event"] = None
+        self.buffer: Optional["_DeviceSlot"] = None  # the ring buffer holding this unit while on the device
 
     @staticmethod
     def _set(module: nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
@@ -313,38 +329,165 @@ class StreamUnit:
         else:
             module._buffers[name] = tensor
 
+    def views(self, flat: torch.Tensor):
+        """``(module, name, is_param, home, view)``: each tensor's place in ``flat`` (a ring buffer)."""
+        for (module, name, is_param, home), off in zip(self.slots, self.offsets):
+            n = home.numel() * home.element_size()
+            yield module, name, is_param, home, flat[off:off + n].view(home.dtype).view(home.shape)
+
     def onload(self, device: torch.device, stream=None) -> None:
-        """Copy to ``device``; on ``stream`` (asynchronously) when given, else in order with compute."""
+        """Copy to ``device``: through the ring (asynchronously on ``stream`` when given), else in order
+        with compute."""
         if self.on_device:
             return
-        self._device = device
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        if self.ring is not None and device.type != "cpu":
+            self.ring.load(self, device, stream)
+        else:
             for module, name, is_param, home in self.slots:
-                self._set(module, name, is_param, home.to(device, non_blocking=stream is not None))
-            if stream is not None:
-                self._ready = torch.cuda.Event()
-                self._ready.record(stream)
+                self._set(module, name, is_param, home.to(device))
         self.on_device = True
 
     def wait(self) -> None:
-        """Make the compute stream wait for an asynchronous onload, and tie the copies' memory to it."""
-        if self._ready is None:
-            return
-        compute = torch.cuda.current_stream(self._device)
-        compute.wait_event(self._ready)
-        for module, name, is_param, _ in self.slots:
-            tensor = module._parameters[name] if is_param else module._buffers[name]
-            tensor.data.record_stream(compute)
-        self._ready = None
+        """Make the compute stream wait until this unit's asynchronous copy has landed."""
+        slot = self.buffer
+        if slot is not None and slot.ready is not None:
+            torch.cuda.current_stream(slot.buffer.device).wait_event(slot.ready)
+            slot.ready = None
 
     def offload(self) -> None:
-        """Point back at the CPU copies; the device copies are freed once compute is done with them."""
+        """Point back at the CPU homes; a ring buffer is reused once compute has passed this point."""
         if not self.on_device:
             return
         for module, name, is_param, home in self.slots:
             self._set(module, name, is_param, home)
-        self._ready = None
+        if self.ring is not None:
+            self.ring.left(self)
         self.on_device = False
+
+
+class _DeviceSlot:
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.unit: Optional[StreamUnit] = None
+        self.ready = None  # event on the side stream: the copy into the buffer has landed
+        self.done = None  # event on the compute stream: the block that used the buffer has run
+
+
+class _HostSlot:
+    def __init__(self, pinned):
+        self.pinned = pinned  # host_memory.PinnedBuffer
+        self.copied = None  # event: the last copy out of this staging buffer has finished
+
+
+class BlockRing:
+    """Fixed memory for the streamed DiT blocks of offload ``block``.
+
+    ``slots`` device buffers of ``slot_bytes`` (the largest streamed block) that the blocks take in
+    turn, and as many pinned staging buffers of the same, exact size. A block goes home (mmap'd or
+    pageable) -> staging buffer (a host copy) -> device buffer (an asynchronous copy on the side
+    stream). Events keep each buffer from being overwritten early:
+
+    - the side stream waits for the block that last used a device buffer (``done``) before copying
+      the next block into it, so the device holds at most ``slots`` streamed blocks whatever the
+      allocator and however far the host runs ahead;
+    - the host waits for the last copy out of a staging buffer (``copied``) before refilling it, so
+      it stays within ``slots`` blocks of the GPU;
+    - compute waits for the copy into the buffer (``ready``) before the block runs.
+
+    Device buffers are allocated at a stage's first streamed block and dropped at its end; staging
+    buffers live as long as the hook (they are the pinned bytes the pipeline reports).
+    """
+
+    def __init__(self, slot_bytes: int, slots: int):
+        self.slot_bytes = slot_bytes
+        self.slots = slots
+        self.device_slots: List[_DeviceSlot] = []
+        self.host_slots: List[_HostSlot] = []
+        self.running: Optional[StreamUnit] = None  # the block computing now: its buffer is never taken
+        self._next_device = 0
+        self._next_host = 0
+
+    def pinned_bytes(self) -> int:
+        return sum(h.pinned.nbytes for h in self.host_slots if h.pinned.pinned)
+
+    def _device_slot(self, device: torch.device) -> _DeviceSlot:
+        if not self.device_slots:
+            self.device_slots = [_DeviceSlot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
+                                 for _ in range(self.slots)]
+            if device.type == "cuda" and torch.cuda.is_available():
+                # The allocator may hand out memory that kernels queued on the compute stream still read
+                # (stream-ordered reuse): the side stream must not write into it before they have run.
+                allocated = torch.cuda.Event()
+                allocated.record(torch.cuda.current_stream(device))
+                for slot in self.device_slots:
+                    slot.done = allocated
+        for _ in range(self.slots):
+            slot = self.device_slots[self._next_device]
+            self._next_device = (self._next_device + 1) % self.slots
+            if slot.unit is None or slot.unit is not self.running:
+                if slot.unit is not None:  # a prefetched block that did not run: it is fetched again later
+                    slot.unit.offload()
+                return slot
+        raise RuntimeError("offload=block: every device buffer of the ring is in use (a block ran inside another).")
+
+    def _host_slot(self) -> _HostSlot:
+        if not self.host_slots:
+            self.host_slots = [_HostSlot(host_memory.pinned_buffer(self.slot_bytes)) for _ in range(self.slots)]
+        host = self.host_slots[self._next_host]
+        self._next_host = (self._next_host + 1) % self.slots
+        if host.copied is not None:
+            host.copied.synchronize()
+            host.copied = None
+        return host
+
+    def load(self, unit: StreamUnit, device: torch.device, stream=None) -> None:
+        slot = self._device_slot(device)  # allocated here, on the compute stream, never on the side stream
+        host = self._host_slot()
+        staging = host.pinned.tensor
+        for *_, home, view in unit.views(staging):
+            view.copy_(home)
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            if stream is not None and slot.done is not None:
+                stream.wait_event(slot.done)
+                slot.done = None
+            slot.buffer[:unit.span].copy_(staging[:unit.span], non_blocking=stream is not None)
+            if stream is not None:
+                ready = torch.cuda.Event()
+                ready.record(stream)
+                slot.ready = host.copied = ready
+        for module, name, is_param, _, view in unit.views(slot.buffer):
+            StreamUnit._set(module, name, is_param, view)
+        slot.unit, unit.buffer = unit, slot
+
+    def left(self, unit: StreamUnit) -> None:
+        """``unit`` went home: its buffer may be refilled once the compute stream has passed here."""
+        slot, unit.buffer = unit.buffer, None
+        if slot is None:
+            return
+        if slot.buffer.is_cuda:
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(slot.buffer.device))
+            slot.done = done
+        slot.unit = None
+        if self.running is unit:
+            self.running = None
+
+    def release_device(self) -> None:
+        """Drop the device buffers (stage end; the side stream has been synchronised)."""
+        for slot in self.device_slots:
+            if slot.unit is not None:
+                slot.unit.offload()
+        self.device_slots = []
+        self._next_device = 0
+
+    def release_host(self) -> None:
+        """Unpin and drop the staging buffers (hook removed; no copy out of them is pending)."""
+        for host in self.host_slots:
+            if host.copied is not None:
+                host.copied.synchronize()
+            host.pinned.free()
+        self.host_slots = []
+        self._next_host = 0
 
 
 class BlockStreamer(ModelHook):
@@ -353,12 +496,14 @@ class BlockStreamer(ModelHook):
     At the DiT's forward, its non-block weights and the first ``blocks_on_gpu`` blocks go to the
     execution device (they stay until the stage ends). Each other block has its own hook: before it
     runs, its copy is awaited (or made) and the next streamed block's copy is started on a side CUDA
-    stream from pinned memory; after it runs, it is dropped. So at most ``blocks_on_gpu + 2`` blocks
-    are resident. After the last block the first streamed block is prefetched for the next forward
-    (the next CFG branch or step); :meth:`offload_all` (every stage reset) drops everything.
+    stream; after it runs, it goes home. Streamed blocks live in the fixed buffers of a
+    :class:`BlockRing`, so at most ``blocks_on_gpu + 2`` blocks are resident and only the ring's
+    staging buffers are pinned. After the last block the first streamed block is prefetched for the
+    next forward (the next CFG branch or step); :meth:`offload_all` (every stage reset) drops
+    everything on the device.
 
-    On a CPU execution device the "copies" are the CPU tensors themselves and no stream is used, so
-    the numbers are those of the unhooked model.
+    On a CPU execution device the "copies" are the CPU tensors themselves and neither the ring nor a
+    stream is used, so the numbers are those of the unhooked model.
     """
 
     def __init__(self, execution_device: torch.device, blocks_on_gpu: int):
@@ -366,6 +511,7 @@ class BlockStreamer(ModelHook):
         self.blocks_on_gpu = blocks_on_gpu
         self.core: Optional[StreamUnit] = None
         self.streamed: List[StreamUnit] = []
+        self.ring: Optional[BlockRing] = None
         self._stream = None
 
     @property
@@ -378,15 +524,18 @@ class BlockStreamer(ModelHook):
         in_blocks = {id(m) for b in blocks for m in b.modules()}
         outside = [m for m in module.modules() if id(m) not in in_blocks]
         resident = outside + [m for b in blocks[:k] for m in b.modules()]
-        self.core = StreamUnit("core", resident, pin=False)
-        self.streamed = [StreamUnit(f"block{i}", b.modules(), pin=self._cuda) for i, b in enumerate(blocks) if i >= k]
-        streamed_blocks = blocks[k:]
-        for j, block in enumerate(streamed_blocks):
+        self.core = StreamUnit("core", resident)
+        self.streamed = [StreamUnit(f"block{i}", b.modules()) for i, b in enumerate(blocks) if i >= k]
+        if self.streamed:
+            self.ring = BlockRing(max(u.span for u in self.streamed), min(RING_SLOTS, len(self.streamed)))
+            for unit in self.streamed:
+                unit.ring = self.ring
+        for j, block in enumerate(blocks[k:]):
             add_hook_to_module(block, _StreamedBlockHook(self, j))
         return module
 
     def pinned_bytes(self) -> int:
-        return sum(u.nbytes for u in self.streamed if u.pinned)
+        return self.ring.pinned_bytes() if self.ring is not None else 0
 
     def _side_stream(self):
         if not self._cuda:
@@ -403,8 +552,9 @@ class BlockStreamer(ModelHook):
 
     def before_block(self, j: int) -> None:
         unit = self.streamed[j]
-        unit.onload(self.execution_device, None)  # no-op when prefetched
+        unit.onload(self.execution_device, self._side_stream())  # no-op when prefetched
         unit.wait()
+        self.ring.running = unit
         nxt = self.streamed[(j + 1) % len(self.streamed)]
         if nxt is not unit:
             nxt.onload(self.execution_device, self._side_stream())
@@ -418,9 +568,14 @@ class BlockStreamer(ModelHook):
         for unit in [self.core, *self.streamed]:
             if unit is not None:
                 unit.offload()
+        if self.ring is not None:
+            self.ring.running = None
+            self.ring.release_device()
 
     def detach_hook(self, module):
         self.offload_all()
+        if self.ring is not None:
+            self.ring.release_host()
         return module
 
 

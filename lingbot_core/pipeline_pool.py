@@ -31,7 +31,9 @@ from .latents import LatentNormalizer
 from .loading import (
     DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
 )
-from .memory import MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap
+from .memory import (
+    MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
+)
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 
@@ -94,6 +96,7 @@ class PipelinePool:
         self.caller = caller
         self._loaded: "OrderedDict[PipelineSpec, LingbotPipeline]" = OrderedDict()
         self._bytes: Dict[PipelineSpec, int] = {}
+        self._pins: Dict[PipelineSpec, int] = {}
         self._in_use: Dict[PipelineSpec, int] = {}
         self._job: Optional[str] = None
         self._pending: Dict[PipelineSpec, set] = {}  # consumers of the current job that have not used it yet
@@ -129,6 +132,21 @@ class PipelinePool:
         if spec not in self._bytes:
             self._bytes[spec] = package_bytes(spec.model_dir, spec.transformer_subfolder, spec.load_dtypes())
         return self._bytes[spec]
+
+    def pin_bytes(self, spec: PipelineSpec) -> int:
+        """The page-locked RAM offload ``block`` takes for ``spec`` (its staging buffers; cached). Nothing
+        is pinned off CUDA."""
+        if torch.device(spec.device).type != "cuda":
+            return 0
+        if spec not in self._pins:
+            self._pins[spec] = block_ring_bytes(spec.model_dir, spec.transformer_subfolder,
+                                                spec.load_dtypes()["transformer"])
+        return self._pins[spec]
+
+    def _held(self) -> int:
+        """RAM the loaded pipelines take: their weights, plus the pins of those in offload ``block``."""
+        return sum(self._bytes.get(s, 0) + (self.pin_bytes(s) if p.offload == "block" else 0)
+                   for s, p in self._loaded.items())
 
     def in_use(self, spec: PipelineSpec) -> bool:
         return self._in_use.get(spec, 0) > 0
@@ -176,9 +194,15 @@ class PipelinePool:
             else:
                 self._loaded.move_to_end(spec)
             self._in_use[spec] = self._in_use.get(spec, 0) + 1
+            if handle.offload == "block" and pipe.offload != "block":
+                try:  # switching into block pins its staging buffers: make room for them first
+                    self._make_room(spec, self.pin_bytes(spec), "switching to offload 'block' (pinned staging buffers)")
+                except BaseException:
+                    self._in_use[spec] -= 1
+                    raise
         try:
             if pipe.offload != handle.offload or (handle.offload == "block" and pipe.blocks_on_gpu != handle.blocks_on_gpu):
-                self._placing()
+                self._placing(self.pin_bytes(spec) if handle.offload == "block" else 0)
                 pipe.set_offload(handle.offload, blocks_on_gpu=handle.blocks_on_gpu)
             if self.observer is not None:
                 self.observer.using(spec, pipe)
@@ -188,14 +212,16 @@ class PipelinePool:
                 self._in_use[spec] -= 1
             trim_heap()  # a stage's freed activations would otherwise stay in the process's RSS
 
-    def _placing(self) -> None:
+    def _placing(self, pins: int = 0) -> None:
+        """Weights are about to go to the device; ``pins``: page-locked bytes that placement will take."""
         if self.observer is not None:
-            self.observer.placing()
+            self.observer.placing(pins)
 
     def _load(self, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0) -> LingbotPipeline:
-        need = self.weight_bytes(spec)
-        self._make_room(spec, need)
-        self._placing()
+        pins = self.pin_bytes(spec) if offload == "block" else 0
+        need = self.weight_bytes(spec) + pins
+        self._make_room(spec, need, "loading its weights" + (" and offload 'block''s pinned staging buffers" if pins else ""))
+        self._placing(pins)
         logger.info("LingBot-Video: loading %s (%s of weights, offload=%s).", spec.label, format_bytes(need), offload)
         try:
             pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
@@ -211,7 +237,7 @@ class PipelinePool:
 
     def _fits(self, need: int) -> Tuple[bool, str]:
         if self.budget is not None:
-            held = sum(self._bytes.get(s, 0) for s in self._loaded)
+            held = self._held()
             if held + need > self.budget:
                 return False, f"the RAM budget of {format_bytes(self.budget)} ({format_bytes(held)} already loaded)"
         avail = available_ram()
@@ -219,7 +245,7 @@ class PipelinePool:
             return False, f"the {format_bytes(avail)} of RAM available (keeping {format_bytes(self.headroom)} free)"
         return True, ""
 
-    def _make_room(self, spec: PipelineSpec, need: int) -> None:
+    def _make_room(self, spec: PipelineSpec, need: int, what: str) -> None:
         fits, why = self._fits(need)
         while not fits:
             victim = next((s for s in self._loaded if not self.in_use(s) and not self.needed(s)), None)
@@ -234,7 +260,7 @@ class PipelinePool:
                     for s in self._loaded]
         held = ("; loaded and still needed by this run: " + "; ".join(blocking)) if blocking else ""
         raise MemoryBudgetError(
-            f"loading {spec.label} needs about {format_bytes(need)} of RAM for its weights, which exceeds {why}{held}. "
+            f"{spec.label}: {what} needs about {format_bytes(need)} of RAM, which exceeds {why}{held}. "
             "Put an UnloadLingbotPipeline after the last node that uses a pipeline, choose a lower precision "
             "(dit_precision / text_encoder_precision), or close other programs."
             + (" The budget comes from LINGBOT_RAM_BUDGET_GB." if self.budget is not None else "")

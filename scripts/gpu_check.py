@@ -1,24 +1,36 @@
-"""One-command GPU check (issue 10 item 5): precision and offload figures, written as JSON + Markdown.
+"""One-command GPU check (issues 10, 15): precision, offload rows and the MoE FFN, as JSON + Markdown.
 
-    scripts/gpu-check                              # CUDA, full-size random weights, the seed workload
-    scripts/gpu-check --device cpu --size tiny     # the same checks on the tiny fixture (CI smoke run)
+    scripts/gpu-check                              # CUDA, full-size random weights (< 8 min on one H200)
+    scripts/gpu-check --device cpu --size tiny     # the same checks on the tiny fixtures (CI smoke run)
 
-Three parts, all in this one process:
+Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in ``--out`` as soon as it
+(or, for the offload rows, each row) is done, so a run that is cut off still returns what it measured:
 
-1. **precision** (tiny fp32 fixture package, TI2V 64x96, 5 frames, 3 steps): frames with the DiT and
+1. **precision** (tiny fp32 fixture package, TI2V 64x96, 5 frames, 2 steps): frames with the DiT and
    text encoder in bf16, and with an fp8_e4m3fn DiT, against fp32; pass when the mean |diff| is at most
    ``MEAN_BOUND`` and the max at most ``MAX_BOUND`` (frames in [0, 1]).
-2. **offload** (``--size full``: the full-size random package of ``bench.offload``; the seed workload
-   TI2V 320x192, 49 frames, 40 steps on CUDA, 64x96x5 / 2 steps on CPU): per DiT precision (bf16,
-   fp8_e4m3fn) the pipeline is loaded once and run in ``none``, ``model``, ``sequential`` and
-   ``block`` (``blocks_on_gpu`` 0): wall time of ``generate`` and, on CUDA, ``max_memory_allocated``
-   (peak statistics reset before each run). One short warm-up run first, so CUDA start-up costs are
-   not charged to ``none``. Frames must be bit-identical across the modes of one precision.
-3. **moe**: ``bench.moe_ffn`` (the MoE feed-forward before/after the sorted dispatch, and whether
-   ``torch._grouped_mm`` gives the bits of the per-slice path on this device).
+2. **rows** (:data:`ROWS`, a declarative table: append a :class:`Row` to add a check). Packages, built
+   in seconds and cached under ``--workdir`` (``--size full``): ``dense`` = the full-size dense package
+   of ``bench.offload`` (DiT 1.36 B, Qwen3-VL-4B, Wan 2.1 VAE) with tiled random weights; ``moe`` = a
+   full-width MoE DiT of ``MOE_LAYERS`` blocks (128 experts, 1.2 GB a block in bf16) sharing the dense
+   package's text encoder and VAE. Rows with the same package, precision and load options share one
+   load (and one untimed one-step warm-up). Before every row the prompt cache is cleared (so the text
+   encoder, the largest transfer of ``model`` and ``block``, is timed), the device cache is emptied
+   and the peak statistics are reset. Per row: generate seconds, ``max_memory_allocated``, the pinned
+   host bytes (the pipeline's ``pinned_bytes()``, ``torch.cuda.host_memory_stats()`` and the kernel's
+   VmPin / VmLck, also after each load is released), RSS (now and
+   the row's peak), and the frames' SHA-256 for each of ``repeats`` runs. Frames must be identical
+   across the repeats and equal to the row named in ``same_as`` (default: the first row of its load with
+   the same steps and ``generate`` options);
+   on CUDA a block row with many repeats catches a copy that compute does not wait for. Rows with
+   ``allocator="cudaMallocAsync"`` run in a child process started with
+   ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (ComfyUI's default allocator), and must give the
+   frames of the native-allocator row they name.
+3. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
+   the bits of the per-slice path on this device).
 
-Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out`` (default ``out/gpu-check``); exits 1 when a
-check fails.
+TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 420) stops starting new rows once
+that many seconds have passed; skipped rows are listed. Exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -29,10 +41,13 @@ import hashlib
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Dict, List, Optional
 
 for _key, _value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
                      ("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error")):
@@ -46,10 +61,58 @@ import torch  # noqa: E402
 
 MEAN_BOUND = 0.02
 MAX_BOUND = 0.25
-MODES = (("none", 0), ("model", 0), ("sequential", 0), ("block", 0))
-PRECISIONS = ("bf16", "fp8_e4m3fn")
 TINY_RUN = dict(height=64, width=96, num_frames=5, steps=2, seed=7)
+CUDA_WORKLOAD = dict(height=192, width=320, frames=49, steps=8)
+CPU_WORKLOAD = dict(height=64, width=96, frames=5, steps=2)
+MOE_LAYERS = 4
+MOE_PACKAGE_VERSION = 1
+ASYNC_ALLOC = "backend:cudaMallocAsync"
 MIB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Row:
+    """One offload check: a load (package, DiT precision, ``load`` options) run in ``mode``.
+
+    ``steps`` overrides the workload's; ``repeats`` runs with the same seed that must all give the same
+    frames; ``same_as`` names the row whose frames these must equal (default: the first row of the same
+    load); ``generate`` adds keyword arguments to ``generate`` (e.g. a LoRA or a speed option)."""
+
+    name: str
+    package: str  # "dense" | "moe"
+    precision: str  # dit_precision
+    mode: str
+    blocks_on_gpu: int = 0
+    repeats: int = 1
+    steps: Optional[int] = None
+    allocator: str = "native"  # or "cudaMallocAsync"
+    same_as: Optional[str] = None
+    load: Dict[str, object] = field(default_factory=dict)
+    generate: Dict[str, object] = field(default_factory=dict)
+
+    def load_key(self) -> tuple:
+        return (self.allocator, self.package, self.precision, json.dumps(self.load, sort_keys=True))
+
+
+# Most important first: --budget-s skips from the end.
+ROWS: List[Row] = [
+    Row("dense-bf16-none", "dense", "bf16", "none"),
+    Row("dense-bf16-block", "dense", "bf16", "block"),
+    Row("dense-bf16-model", "dense", "bf16", "model"),
+    Row("dense-bf16-sequential", "dense", "bf16", "sequential"),
+    Row("dense-bf16-block-K4", "dense", "bf16", "block", blocks_on_gpu=4),
+    Row("dense-bf16-block-repeats", "dense", "bf16", "block", repeats=5, steps=2),
+    Row("moe-bf16-none", "moe", "bf16", "none"),
+    Row("moe-bf16-block", "moe", "bf16", "block", repeats=2),
+    Row("moe-fp8-none", "moe", "fp8_e4m3fn", "none"),
+    Row("moe-fp8-block", "moe", "fp8_e4m3fn", "block"),
+    Row("dense-fp8-none", "dense", "fp8_e4m3fn", "none"),
+    Row("dense-fp8-block", "dense", "fp8_e4m3fn", "block"),
+    Row("async-dense-bf16-none", "dense", "bf16", "none", allocator="cudaMallocAsync", same_as="dense-bf16-none"),
+    Row("async-dense-bf16-block", "dense", "bf16", "block", repeats=3, allocator="cudaMallocAsync",
+        same_as="dense-bf16-none"),
+    Row("async-moe-bf16-block", "moe", "bf16", "block", allocator="cudaMallocAsync", same_as="moe-bf16-none"),
+]
 
 
 def log(msg: str) -> None:
@@ -65,6 +128,108 @@ def _image(h, w):
     from bench.offload import bench_image
 
     return bench_image(h, w)
+
+
+def _sha(frames) -> str:
+    return hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()
+
+
+# -- memory probes ---------------------------------------------------------------------------------
+
+
+def _status_kib(field_name: str) -> Optional[int]:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> bool:
+    """Linux resets VmHWM (the peak RSS) when "5" is written to /proc/self/clear_refs."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _host_pins(device) -> dict:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.host_memory_stats()
+    return {k: v for k, v in stats.items() if "bytes" in k or k.startswith("num_host")}
+
+
+def _locked_mib() -> dict:
+    """Page-locked memory as the kernel counts it: VmPin (pages pinned by a driver that accounts them) and
+    VmLck (mlock); recorded, not judged, as drivers differ in what they account."""
+    return {k: round((_status_kib(k) or 0) / 1024) for k in ("VmPin", "VmLck")}
+
+
+# -- packages --------------------------------------------------------------------------------------
+
+
+def moe_dit_config(layers: int) -> dict:
+    """The released MoE DiT config with ``layers`` blocks (keyword arguments over the class defaults, which
+    are the dense release's: full width; every block MoE)."""
+    return dict(depth=layers, axes_lens=[4096, 512, 512], num_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=768, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                score_func="sigmoid", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def ensure_moe_package(workdir: Path, dense: Path, layers: int = MOE_LAYERS) -> Path:
+    """A MoE package: a full-width MoE DiT of ``layers`` blocks (tiled random weights, bf16 with fp32
+    islands), the text encoder, VAE, processor and scheduler of ``dense`` by symlink. Cached."""
+    from bench.offload import TiledFill, _write_safetensors
+    from lingbot_core.fixtures import DIFFUSERS_VERSION
+    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+
+    root = workdir / f"lingbot-gpu-check-moe{layers}-v{MOE_PACKAGE_VERSION}"
+    if (root / "BUILD_INFO.json").is_file():
+        return root
+    partial = workdir / (root.name + ".partial")
+    if partial.exists():
+        import shutil
+
+        shutil.rmtree(partial)
+    t0 = time.perf_counter()
+    partial.mkdir(parents=True)
+    for name in ("model_index.json", "scheduler", "processor", "text_encoder", "vae"):
+        (partial / name).symlink_to((dense / name).resolve())
+    with torch.device("meta"):
+        dit = LingBotVideoTransformer3DModel(**moe_dit_config(layers))
+    cfg = {"_class_name": "LingBotVideoTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION}
+    cfg.update({k: v for k, v in dict(dit.config).items() if not k.startswith("_")})
+    (partial / "transformer").mkdir()
+    (partial / "transformer" / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
+    specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
+    gen = torch.Generator().manual_seed(1)
+    _write_safetensors(partial / "transformer", "diffusion_pytorch_model", specs, gen, None, TiledFill(gen))
+    info = {"layers": layers, "params": sum(p.numel() for p in dit.parameters()), "build_s": round(time.perf_counter() - t0, 1)}
+    (partial / "BUILD_INFO.json").write_text(json.dumps(info, indent=2) + "\n")
+    partial.rename(root)
+    log(f"built the {layers}-layer MoE package in {info['build_s']} s ({info['params']:,} DiT params)")
+    return root
+
+
+def packages(size: str, workdir: Path) -> Dict[str, Path]:
+    if size == "tiny":
+        from lingbot_core.fixtures import write_package
+
+        return {"dense": write_package(workdir / "tiny-dense", refiner=False),
+                "moe": write_package(workdir / "tiny-moe", moe=True, refiner=False, seed=1)}
+    from bench.offload import ensure_full_package
+
+    dense, _, build_s = ensure_full_package(workdir, tiled=True)
+    if build_s:
+        log(f"built the dense package in {build_s} s")
+    return {"dense": dense, "moe": ensure_moe_package(workdir, dense)}
+
+
+# -- parts -----------------------------------------------------------------------------------------
 
 
 def precision_check(device, workdir: Path) -> dict:
@@ -90,58 +255,142 @@ def precision_check(device, workdir: Path) -> dict:
     return out
 
 
-def offload_check(device, size: str, workdir: Path, steps) -> dict:
-    from bench.offload import CPU_NEGATIVE, CPU_WORKLOAD, CUDA_WORKLOAD, PROMPT, ensure_full_package
-    from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import write_package
-
-    cuda = device.type == "cuda"
-    work = dict(CUDA_WORKLOAD if cuda else CPU_WORKLOAD)
+def workload(device, steps: Optional[int]) -> dict:
+    work = dict(CUDA_WORKLOAD if device.type == "cuda" else CPU_WORKLOAD)
     if steps:
         work["steps"] = steps
-    if size == "full":
-        package, _, _ = ensure_full_package(workdir)
-    else:
-        package = write_package(workdir / "tiny-bf16", refiner=False)
-    negative = None if cuda else CPU_NEGATIVE
+    return work
+
+
+def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadline: float, emit,
+             released=None) -> None:
+    """Run ``rows`` in this process, one load per :meth:`Row.load_key`; ``emit(row_result)`` after each
+    row, ``released(info)`` after each load's release (what stays pinned then)."""
+    from bench.offload import CPU_NEGATIVE, PROMPT
+    from lingbot_core import load_pipeline
+
+    cuda = device.type == "cuda"
     image = _image(work["height"], work["width"])
-    run = dict(negative_prompt=negative, image=image, height=work["height"], width=work["width"],
-               num_frames=work["frames"], guidance_scale=3.0, shift=3.0, seed=42)
-    results = {"workload": dict(work, package=str(package), negative_prompt=negative or "model default"), "runs": []}
-    for precision in PRECISIONS:
+    base = dict(negative_prompt=None if cuda else CPU_NEGATIVE, image=image, height=work["height"],
+                width=work["width"], num_frames=work["frames"], guidance_scale=3.0, shift=3.0, seed=42)
+    order: List[tuple] = []
+    for r in rows:
+        if r.load_key() not in order:
+            order.append(r.load_key())
+    for key in order:
+        group = [r for r in rows if r.load_key() == key]
+        if time.perf_counter() > deadline:
+            for r in group:
+                emit({"name": r.name, "skipped": "time budget"})
+            continue
+        first = group[0]
         t0 = time.perf_counter()
-        pipe = load_pipeline(package, offload="none", device=device,
-                             dtypes={"transformer": precision, "text_encoder": "bf16"})
+        pipe = load_pipeline(pkgs[first.package], offload="none", device=device,
+                             dtypes={"transformer": first.precision, "text_encoder": "bf16"}, **first.load)
         load_s = time.perf_counter() - t0
         try:
-            pipe.generate(PROMPT, steps=1, **run)  # warm-up: CUDA context, kernels, allocator
-            for mode, k in MODES:
-                pipe.set_offload(mode, device, blocks_on_gpu=k)
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats(device)
-                _sync(device)
-                t1 = time.perf_counter()
-                frames = pipe.generate(PROMPT, steps=work["steps"], **run)
-                _sync(device)
-                wall = time.perf_counter() - t1
-                entry = {"precision": precision, "mode": mode, "blocks_on_gpu": k, "generate_s": round(wall, 2),
-                         "load_s": round(load_s, 1),
-                         "frames_sha256": hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest(),
-                         "frames_finite": bool(np.isfinite(frames).all())}
-                if cuda:
-                    entry["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / MIB)
-                results["runs"].append(entry)
-                log(f"{precision} {mode}: {wall:.1f} s" + (f", {entry['max_memory_allocated_mib']} MiB" if cuda else ""))
+            pipe.generate(PROMPT, **dict(base, steps=1, **first.generate))  # warm-up: context, kernels, allocator
+            for r in group:
+                if time.perf_counter() > deadline:
+                    emit({"name": r.name, "skipped": "time budget"})
+                    continue
+                emit(run_row(pipe, r, device, base, work, load_s, PROMPT))
         finally:
             pipe.release()
-    for precision in PRECISIONS:
-        runs = [r for r in results["runs"] if r["precision"] == precision]
-        base = next(r for r in runs if r["mode"] == "none")
-        for r in runs:
-            r["ratio_to_none"] = round(r["generate_s"] / base["generate_s"], 3)
-        results[f"{precision}_frames_identical"] = len({r["frames_sha256"] for r in runs}) == 1
-    return results
+        if released is not None:
+            released({"load": [r.name for r in group], "locked_mib": _locked_mib(), "host_memory_stats": _host_pins(device)})
+
+
+def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt: str) -> dict:
+    cuda = device.type == "cuda"
+    pipe.set_offload(r.mode, device, blocks_on_gpu=r.blocks_on_gpu)
+    steps = r.steps or work["steps"]
+    shas, times = [], []
+    te_calls = []
+    hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: te_calls.append(1), with_kwargs=True)
+    peak_alloc = 0
+    rss_peak = 0
+    pinned = 0
+    try:
+        for _ in range(r.repeats):
+            pipe._prompt_cache.clear()  # the text encoder runs (and moves) in every timed run
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            _reset_peak_rss()
+            _sync(device)
+            t0 = time.perf_counter()
+            frames = pipe.generate(prompt, **dict(base, steps=steps, **r.generate))
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            pinned = max(pinned, pipe.pinned_bytes())
+            rss_peak = max(rss_peak, _status_kib("VmHWM") or 0)
+            if cuda:
+                peak_alloc = max(peak_alloc, torch.cuda.max_memory_allocated(device))
+            shas.append(_sha(frames))
+            finite = bool(np.isfinite(frames).all())
+    finally:
+        hook.remove()
+    out = {"name": r.name, "package": r.package, "precision": r.precision, "mode": r.mode,
+           "blocks_on_gpu": r.blocks_on_gpu, "allocator": r.allocator, "steps": steps, "repeats": r.repeats,
+           "load_s": round(load_s, 1), "generate_s": [round(t, 2) for t in times], "text_encoder_forwards": len(te_calls),
+           "frames_sha256": shas[0], "repeats_identical": len(set(shas)) == 1, "frames_finite": finite,
+           "pinned_bytes": pinned, "host_memory_stats": _host_pins(device), "locked_mib": _locked_mib(),
+           "rss_mib": round((_status_kib("VmRSS") or 0) / 1024), "rss_peak_mib": round(rss_peak / 1024)}
+    if cuda:
+        out["max_memory_allocated_mib"] = round(peak_alloc / MIB)
+    log(f"{r.name}: {', '.join(f'{t:.1f}' for t in times)} s" + (f", {out['max_memory_allocated_mib']} MiB" if cuda else "")
+        + f", pinned {pinned / MIB:.0f} MiB, identical {out['repeats_identical']}")
+    return out
+
+
+def rows_in_child(rows: List[Row], args, deadline: float, emit) -> None:
+    """Run ``rows`` in a child process under ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (the
+    allocator is fixed when CUDA starts); its rows arrive through a JSON file written after each row."""
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0:
+        for r in rows:
+            emit({"name": r.name, "skipped": "time budget"})
+        return
+    with tempfile.TemporaryDirectory(prefix="lingbot-gpu-check-child-") as tmp:
+        child_out = Path(tmp) / "rows.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--device", str(args.device_resolved), "--size", args.size,
+               "--workdir", args.workdir, "--rows", ",".join(r.name for r in rows), "--child-rows", str(child_out),
+               "--budget-s", str(int(remaining))] + (["--steps", str(args.steps)] if args.steps else [])
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=ASYNC_ALLOC)
+        try:
+            proc = subprocess.run(cmd, env=env, timeout=remaining + 60, cwd=str(REPO))
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+        got = json.loads(child_out.read_text()) if child_out.is_file() else []
+        for row in got:
+            emit(row)
+        done = {row["name"] for row in got}
+        for r in rows:
+            if r.name not in done:
+                emit({"name": r.name, "skipped": f"child process ended ({rc})"})
+
+
+def check_rows(results: List[dict]) -> None:
+    """Fill in each row's ``same_as`` comparison: the named row, else the first row of its load that ran
+    the same steps and ``generate`` options."""
+    by_name = {r["name"]: r for r in results if "skipped" not in r}
+    spec = {r.name: r for r in ROWS}
+    firsts: Dict[tuple, str] = {}
+    for res in results:
+        if res["name"] in by_name and res["name"] in spec:
+            row = spec[res["name"]]
+            firsts.setdefault((row.load_key(), res["steps"], json.dumps(row.generate, sort_keys=True)), row.name)
+    for res in results:
+        if "skipped" in res or res["name"] not in spec:
+            continue
+        row = spec[res["name"]]
+        ref = row.same_as or firsts[(row.load_key(), res["steps"], json.dumps(row.generate, sort_keys=True))]
+        if ref == res["name"] or ref not in by_name:
+            res["same_as"] = {"row": ref if ref != res["name"] else None, "equal": None}
+        else:
+            res["same_as"] = {"row": ref, "equal": by_name[ref]["frames_sha256"] == res["frames_sha256"]}
 
 
 def moe_check(device, size: str) -> dict:
@@ -152,10 +401,29 @@ def moe_check(device, size: str) -> dict:
     return run(str(device), tokens=3400, repeats=3)
 
 
+# -- report ----------------------------------------------------------------------------------------
+
+
+def verdict(report: dict) -> bool:
+    checks = []
+    if "precision" in report:
+        checks += [report["precision"][k]["ok"] for k in ("bf16", "fp8_e4m3fn")]
+    for res in report.get("rows", []):
+        if "skipped" in res:
+            continue
+        checks += [res["repeats_identical"], res["frames_finite"]]
+        if res.get("same_as", {}).get("equal") is not None:
+            checks.append(res["same_as"]["equal"])
+    if "moe" in report:
+        checks.append(report["moe"]["bit_identical_to_before"].get("slices", False))
+    return bool(checks) and all(checks)
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"## gpu-check ({report['size']} components, {m['device_name']})", "",
-             f"- date: {report['date']}; torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}", ""]
+             f"- date: {report['date']}; torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}; TF32 matmul "
+             f"{m['tf32_matmul']}; {report.get('seconds', '?')} s", ""]
     p = report.get("precision")
     if p:
         lines += [f"Precision (tiny fp32 package, TI2V {p['workload']['height']}x{p['workload']['width']}, "
@@ -166,25 +434,51 @@ def markdown(report: dict) -> str:
             x = p[label]
             lines.append(f"| {label} / bf16 | {x['mean_abs']:.5f} | {x['max_abs']:.5f} | {'yes' if x['ok'] else 'NO'} |")
         lines.append("")
-    o = report.get("offload")
-    if o:
-        w = o["workload"]
-        lines += [f"Offload (TI2V {w['width']}x{w['height']} (W x H), {w['frames']} frames, {w['steps']} steps; "
-                  f"text encoder bf16, VAE fp32; one load per precision, one warm-up run):", "",
-                  "| DiT | mode | generate s | ratio to none | max_memory_allocated MiB | frames identical |",
-                  "|---|---|---:|---:|---:|:---:|"]
-        for r in o["runs"]:
-            ident = "yes" if o[f"{r['precision']}_frames_identical"] else "NO"
-            lines.append(f"| {r['precision']} | {r['mode']}{' K=' + str(r['blocks_on_gpu']) if r['mode'] == 'block' else ''} | "
-                         f"{r['generate_s']} | {r['ratio_to_none']} | {r.get('max_memory_allocated_mib', '—')} | {ident} |")
+    rows = report.get("rows")
+    if rows:
+        w = report["workload"]
+        lines += [f"Rows (TI2V {w['width']}x{w['height']} (W x H), {w['frames']} frames, {w['steps']} steps unless "
+                  "stated; text encoder bf16, VAE fp32; prompt cache cleared before every run):", "",
+                  "| row | package | DiT | mode | alloc | steps | generate s | max alloc MiB | pinned MiB | host-cache pinned MiB "
+                  "| RSS peak MiB | repeats identical | same as | equal |",
+                  "|---|---|---|---|---|---:|---|---:|---:|---:|---:|:---:|---|:---:|"]
+        for r in rows:
+            if "skipped" in r:
+                lines.append(f"| {r['name']} | skipped: {r['skipped']} |" + " |" * 12)
+                continue
+            mode = r["mode"] + (f" K={r['blocks_on_gpu']}" if r["mode"] == "block" else "")
+            host = r["host_memory_stats"].get("allocated_bytes.current")
+            same = r.get("same_as") or {}
+            eq = {True: "yes", False: "NO", None: "—"}[same.get("equal")]
+            lines.append(
+                f"| {r['name']} | {r['package']} | {r['precision']} | {mode} | {r['allocator']} | {r['steps']} | "
+                f"{', '.join(str(t) for t in r['generate_s'])} | {r.get('max_memory_allocated_mib', '—')} | "
+                f"{r['pinned_bytes'] / MIB:.0f} | {'—' if host is None else round(host / MIB)} | {r['rss_peak_mib']} | "
+                f"{'yes' if r['repeats_identical'] else 'NO'} | {same.get('row') or '—'} | {eq} |")
         lines.append("")
+    rel = report.get("after_release")
+    if rel:
+        lines += ["Locked host memory after each load was released (VmPin / VmLck MiB): "
+                  + "; ".join(f"{x['load'][0]}...: {x['locked_mib']['VmPin']} / {x['locked_mib']['VmLck']}" for x in rel), ""]
     moe = report.get("moe")
     if moe:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
                   + ", ".join(f"{k} {v}" for k, v in moe["median_s"].items())
                   + "; bit-identical to before: " + ", ".join(f"{k} {v}" for k, v in moe["bit_identical_to_before"].items()), ""]
-    lines.append(f"Result: {'PASS' if report['ok'] else 'FAIL'}")
+    lines.append(f"Result: {'PASS' if report.get('ok') else 'FAIL'}" + (" (partial)" if report.get("partial") else ""))
     return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out: Path, t_start: float, partial: bool = True) -> None:
+    report["seconds"] = round(time.perf_counter() - t_start, 1)
+    report["partial"] = partial
+    if "rows" in report:
+        check_rows(report["rows"])
+    report["ok"] = verdict(report)
+    tmp = out / "gpu-check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=2) + "\n")
+    tmp.replace(out / "gpu-check.json")
+    (out / "gpu-check.md").write_text(markdown(report))
 
 
 def main(argv=None) -> int:
@@ -193,16 +487,40 @@ def main(argv=None) -> int:
     p.add_argument("--size", choices=["full", "tiny"], default="full")
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
-    p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 40 on CUDA)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, offload, moe")
+    p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, moe")
+    p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
+    p.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
+    p.add_argument("--child-rows", default=None, help=argparse.SUPPRESS)  # internal: the allocator child's output
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget_s
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu.")
-        torch.backends.cuda.matmul.allow_tf32 = True  # as the reference runner
-        torch.backends.cudnn.allow_tf32 = True
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda but no CUDA device is available; use --device cpu.")
+    args.device_resolved = device
+    wanted = {s.strip() for s in args.rows.split(",") if s.strip()}
+    unknown = wanted - {r.name for r in ROWS}
+    if unknown:
+        raise SystemExit(f"error: unknown row(s) {', '.join(sorted(unknown))}; rows: {', '.join(r.name for r in ROWS)}")
+    rows = [r for r in ROWS if not wanted or r.name in wanted]
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    workdir_full = Path(args.workdir).expanduser()
+    work = workload(device, args.steps)
+
+    if args.child_rows:  # the cudaMallocAsync child: rows only, written after each
+        results: List[dict] = []
+        out_path = Path(args.child_rows)
+
+        def emit_child(res):
+            results.append(res)
+            out_path.write_text(json.dumps(results, indent=2) + "\n")
+
+        with tempfile.TemporaryDirectory(prefix="lingbot-gpu-check-") as tmp:
+            pkgs = packages(args.size, workdir_full if args.size == "full" else Path(tmp))
+            run_rows(rows, device, pkgs, work, deadline, emit_child)
+        return 0
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import diffusers
@@ -212,34 +530,48 @@ def main(argv=None) -> int:
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "size": args.size,
         "machine": {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                     "torch": torch.__version__, "cuda": torch.version.cuda, "diffusers": diffusers.__version__,
-                    "transformers": transformers.__version__, "python": platform.python_version()},
+                    "transformers": transformers.__version__, "python": platform.python_version(),
+                    "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+                    "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")},
+        "workload": work, "budget_s": args.budget_s,
     }
-    t0 = time.perf_counter()
+    write(report, out, t_start)
     with tempfile.TemporaryDirectory(prefix="lingbot-gpu-check-") as tmp:
         if "precision" not in skip:
             log("precision check (tiny) ...")
             report["precision"] = precision_check(device, Path(tmp))
-        if "offload" not in skip:
-            log(f"offload check ({args.size}) ...")
-            workdir = Path(args.workdir).expanduser() if args.size == "full" else Path(tmp)
-            report["offload"] = offload_check(device, args.size, workdir, args.steps)
+            write(report, out, t_start)
+        if "rows" not in skip and rows:
+            pkgs = packages(args.size, workdir_full if args.size == "full" else Path(tmp))
+            report["packages"] = {k: str(v) for k, v in pkgs.items()}
+            report["rows"] = []
+
+            def emit(res):
+                report["rows"].append(res)
+                write(report, out, t_start)
+
+            here = [r for r in rows if r.allocator == "native"]
+            child = [r for r in rows if r.allocator == "cudaMallocAsync"]
+            report["after_release"] = []
+
+            def released(info):
+                report["after_release"].append(info)
+                write(report, out, t_start)
+
+            run_rows(here, device, pkgs, work, deadline, emit, released)
+            if child and device.type == "cuda":
+                log(f"rows under PYTORCH_CUDA_ALLOC_CONF={ASYNC_ALLOC} (child process) ...")
+                rows_in_child(child, args, deadline, emit)
+            for r in child if device.type != "cuda" else []:
+                emit({"name": r.name, "skipped": "CUDA only"})
         if "moe" not in skip:
-            log("MoE FFN ...")
-            report["moe"] = moe_check(device, args.size)
-    report["seconds"] = round(time.perf_counter() - t0, 1)
-    checks = []
-    if "precision" in report:
-        checks += [report["precision"][k]["ok"] for k in ("bf16", "fp8_e4m3fn")]
-    if "offload" in report:
-        checks += [report["offload"][f"{q}_frames_identical"] for q in PRECISIONS]
-        checks += [r["frames_finite"] for r in report["offload"]["runs"]]
-    if "moe" in report:
-        checks.append(report["moe"]["bit_identical_to_before"].get("slices", False))
-    report["ok"] = bool(checks) and all(checks)
-    (out / "gpu-check.json").write_text(json.dumps(report, indent=2) + "\n")
-    text = markdown(report)
-    (out / "gpu-check.md").write_text(text)
-    print(text)
+            if time.perf_counter() > deadline:
+                report["moe_skipped"] = "time budget"
+            else:
+                log("MoE FFN ...")
+                report["moe"] = moe_check(device, args.size)
+    write(report, out, t_start, partial=False)
+    print(markdown(report))
     return 0 if report["ok"] else 1
 
 

@@ -4,7 +4,8 @@ A CPU run cannot tell a hook's execution device from a parameter's device (both 
 offload hook of a pipeline (model: the ``CpuOffload`` per component; sequential: every
 ``AlignDevicesHook``) gets ``execution_device = cuda:3`` -- constructing the device needs no CUDA -- and
 ``Tensor.to`` is intercepted: each call is recorded with the function that asked for it, and a CUDA
-target returns the tensor unchanged. A stage that placed its inputs on the hook's device shows
+target returns the tensor unchanged (``torch.empty`` on a CUDA device is recorded and allocates on the
+CPU). A stage that placed its inputs on the hook's device shows
 ``cuda:3``; one that used a parameter's device shows ``cpu`` (model offload) or ``meta`` (sequential).
 """
 
@@ -41,11 +42,31 @@ def point_hooks_at(pipe, device=FAKE) -> list:
     return saved
 
 
+class Transfers(list):
+    """``(module name, function name, requested device)`` per ``Tensor.to``; ``allocations`` lists
+    ``(function name, bytes, device)`` per ``torch.empty`` on the fake device (device buffers)."""
+
+    def __init__(self):
+        super().__init__()
+        self.allocations = []
+
+
 @contextmanager
 def recording_transfers():
-    """Intercept ``Tensor.to``: yields a list of ``(module name, function name, requested device)``."""
-    requests = []
+    """Intercept ``Tensor.to`` and ``torch.empty`` on a CUDA device: yields a :class:`Transfers`.
+
+    An allocation on the fake device returns a CPU tensor, so code that copies into device buffers
+    runs for real and its numbers can be checked."""
+    requests = Transfers()
     orig_to = torch.Tensor.to
+    orig_empty = torch.empty
+
+    def empty(*size, device=None, **kwargs):
+        if device is not None and torch.device(device).type == "cuda":
+            t = orig_empty(*size, **kwargs)
+            requests.allocations.append((sys._getframe(1).f_code.co_name, t.numel() * t.element_size(), torch.device(device)))
+            return t
+        return orig_empty(*size, device=device, **kwargs)
 
     def to(self, *args, **kwargs):
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
@@ -57,7 +78,7 @@ def recording_transfers():
             return orig_to(self, dtype=dtype) if dtype is not None else self
         return orig_to(self, *args, **kwargs)
 
-    with mock.patch.object(torch.Tensor, "to", to):
+    with mock.patch.object(torch.Tensor, "to", to), mock.patch.object(torch, "empty", empty):
         yield requests
 
 

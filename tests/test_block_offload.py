@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core import OFFLOAD_MODES, load_pipeline
+from lingbot_core import OFFLOAD_MODES, host_memory, load_pipeline
 from lingbot_core.fixtures import dit_config, write_dit, write_package
 from lingbot_core.offload import BlockStreamer
 from residency import ResidencyTracker
@@ -142,3 +142,194 @@ def test_block_switching_and_release(deep_package, deep_reference, test_image):
 def test_blocks_on_gpu_validated(deep_package, bad):
     with pytest.raises(ValueError, match="blocks_on_gpu=.*integer from 0 to 64"):
         load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=bad)
+
+
+# ---------------------------------------------------------------------------------------------
+# The ring (issue 15 item 1): bounded pinned host bytes and device buffers, proven on the fake device
+# ---------------------------------------------------------------------------------------------
+
+
+class PinCounter:
+    """Instruments ``host_memory.pinned_buffer`` (the pack's only pinning function): every call with
+    its size; the buffers pretend to be page-locked so ``pinned_bytes()`` reports them."""
+
+    def __init__(self):
+        self.calls, self.buffers = [], []
+
+    class Pretend:
+        def __init__(self, nbytes):
+            self.nbytes, self.tensor, self.pinned = nbytes, torch.empty(nbytes, dtype=torch.uint8), True
+
+        def free(self):  # the real one unregisters with CUDA
+            self.tensor, self.pinned = None, False
+
+    def __call__(self, nbytes):
+        buf = self.Pretend(nbytes)
+        self.calls.append(nbytes)
+        self.buffers.append(buf)
+        return buf
+
+
+def block_tensor_bytes(block):
+    tensors = list(block.parameters()) + list(block.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors), len(tensors)
+
+
+def ring_run(pipe, pins, runs=2, **run):
+    """``runs`` generates with the streamer on the fake ``cuda:3``; returns the device allocations per
+    run and, per streamed-block call, whether each weight lay in a device buffer and equalled its home."""
+    streamer = pipe.transformer._hf_hook
+    streamer.execution_device = FAKE
+    homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}  # values only; placement changes
+    seen = []
+
+    def probe(block, args):
+        buffers = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in streamer.ring.device_slots]
+        inside = all(any(lo <= p.data_ptr() < hi for lo, hi in buffers) for p in block.parameters())
+        equal = all(torch.equal(p, homes[id(p)]) for p in block.parameters())
+        seen.append((inside, equal))
+
+    handles = [b.register_forward_pre_hook(probe) for b in pipe.transformer.blocks if hasattr(b, "_hf_hook")]
+    allocations, frames = [], []
+    try:
+        with mock.patch.object(host_memory, "pinned_buffer", pins):
+            for _ in range(runs):
+                with fake_accelerator(pipe) as req:
+                    frames.append(pipe.generate("a cat", **run))
+                allocations.append([a for a in req.allocations])
+                assert streamer.ring.device_slots == []  # dropped at the stage's end
+    finally:
+        for h in handles:
+            h.remove()
+    return allocations, seen, frames
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_block_ring_pins_two_exact_buffers_and_reuses_two_device_buffers(deep_package, deep_reference, test_image, k):
+    pipe = load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=k)
+    pins = PinCounter()
+    try:
+        block_bytes, n_tensors = block_tensor_bytes(pipe.transformer.blocks[-1])
+        with ResidencyTracker(pipe) as tr:
+            allocations, seen, frames = ring_run(pipe, pins, image=test_image, **RUN)
+        # two staging buffers for the pipeline's life, each one block's bytes (+ <= 256 alignment per tensor)
+        assert len(pins.calls) == 2
+        assert all(block_bytes <= n <= block_bytes + 256 * n_tensors for n in pins.calls)
+        assert pipe.pinned_bytes() == sum(pins.calls)
+        # two device buffers per denoise stage, of the same size; never more, however many blocks ran
+        for stage in allocations:
+            assert [n for _, n, _ in stage] == pins.calls and {d for *_, d in stage} == {FAKE}
+        assert len(seen) == (DEPTH - k) * 2 * RUN["steps"] * 2  # streamed blocks x CFG x steps x runs
+        assert all(inside and equal for inside, equal in seen)  # every block ran on its copy in a ring buffer
+        assert tr.max_blocks_resident == k + 2 and max(n for _, n, _, _ in tr.block_snapshots) <= k + 2
+        for f in frames:  # the same weights at other addresses: CPU kernels may round differently (AVX2)
+            np.testing.assert_allclose(f, deep_reference, rtol=0, atol=1e-4)
+        # leaving block mode (or releasing) unpins the ring
+        pipe.set_offload("none")
+        assert pipe.pinned_bytes() == 0 and all(b.tensor is None and not b.pinned for b in pins.buffers)
+    finally:
+        pipe.release()
+
+
+def test_block_release_returns_the_pins(deep_package):
+    from lingbot_core import PipelinePool
+
+    pool = PipelinePool(headroom=0)
+    handle = pool.handle(deep_package, offload="block", device="cpu")
+    pins = PinCounter()
+    with pool.use(handle) as pipe:
+        ring_run(pipe, pins, runs=1, **dict(RUN, steps=1))
+        assert pipe.pinned_bytes() == sum(pins.calls) > 0
+    assert handle.release()
+    assert len(pins.buffers) == 2 and all(b.tensor is None and not b.pinned for b in pins.buffers)
+
+
+def test_block_pins_are_counted_in_the_ram_budget(deep_package, monkeypatch):
+    """The budget reserves the ring's pinned bytes for a pipeline in offload ``block`` on CUDA (spec on
+    ``cuda:0``; nothing is loaded, the budget answers first), and that estimate equals the ring's real
+    pinned bytes (the same package streamed on the fake device)."""
+    import lingbot_core.pipeline_pool as pp
+    from lingbot_core import MemoryBudgetError, PipelinePool
+
+    probe = PipelinePool()
+    spec = probe.handle(deep_package, device="cuda:0", dtypes={"transformer": "fp32", "text_encoder": "fp32"}).spec
+    weights, pins = probe.weight_bytes(spec), probe.pin_bytes(spec)
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    counter = PinCounter()
+    try:
+        ring_run(pipe, counter, runs=1, **dict(RUN, steps=1))
+        assert pins == sum(counter.calls) == pipe.pinned_bytes() > 0
+    finally:
+        pipe.release()
+
+    class Reached(Exception):
+        pass
+
+    def no_load(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(pp, "load_pipeline", no_load)
+    pool = PipelinePool(budget=weights + pins - 1, headroom=0)
+    kw = dict(device="cuda:0", dtypes={"transformer": "fp32", "text_encoder": "fp32"})
+    with pytest.raises(MemoryBudgetError, match=r"offload 'block''s pinned staging buffers needs about"):
+        pool.handle(deep_package, offload="block", **kw).encode_prompt("a cat", guidance_scale=1.0)
+    with pytest.raises(Reached):  # the weights alone fit
+        pool.handle(deep_package, offload="model", **kw).encode_prompt("a cat", guidance_scale=1.0)
+    pool = PipelinePool(budget=weights + pins, headroom=0)
+    with pytest.raises(Reached):
+        pool.handle(deep_package, offload="block", **kw).encode_prompt("a cat", guidance_scale=1.0)
+
+
+def test_changing_blocks_on_gpu_on_a_pipeline_already_in_block_mode(deep_package):
+    """A loader whose blocks_on_gpu changed gives a new handle on the same loaded weights: the next stage
+    streams with the new K (and LazyPipeline.set_offload does the same)."""
+    from lingbot_core import PipelinePool
+
+    def streamed(pipe):
+        return [i for i, b in enumerate(pipe.transformer.blocks) if hasattr(b, "_hf_hook")]
+
+    pool = PipelinePool(headroom=0)
+    first = pool.handle(deep_package, offload="block", device="cpu", blocks_on_gpu=1)
+    first.generate("a cat", **dict(RUN, steps=1))
+    with pool.use(first) as pipe:
+        assert streamed(pipe) == list(range(1, DEPTH)) and pipe.blocks_on_gpu == 1
+    second = pool.handle(deep_package, offload="block", device="cpu", blocks_on_gpu=4)
+    second.generate("a cat", **dict(RUN, steps=1))
+    with pool.use(second) as pipe2:
+        assert pipe2 is pipe and streamed(pipe) == [4, 5] and pipe.blocks_on_gpu == 4
+    second.set_offload("block", blocks_on_gpu=0)
+    with pool.use(second):
+        assert streamed(pipe) == list(range(DEPTH))
+    assert len(pool.loaded()) == 1
+    pool.release_idle()
+
+
+def test_block_ring_carries_fp8_moe_blocks(packages):
+    """The MoE's raw expert stacks and the fp8 scales are weights like any other: through the ring on
+    the fake device the fp8 MoE gives the frames of offload none."""
+    pipe = load_pipeline(packages["moe"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    run = dict(RUN, steps=1, output_type="latent")
+    try:
+        reference = pipe.generate("a cat", **run)
+        pipe.set_offload("block", blocks_on_gpu=0)
+        pins = PinCounter()
+        _, seen, (latent,) = ring_run(pipe, pins, runs=1, **run)
+        assert len(pins.calls) == 2 and seen and all(inside and equal for inside, equal in seen)
+        torch.testing.assert_close(latent, reference, rtol=0, atol=1e-4)
+    finally:
+        pipe.release()
+
+
+def test_host_memory_is_pinned_in_one_place_only():
+    """The ring's counts above see every pin only if nothing pins elsewhere: no ``pin_memory`` or
+    ``cudaHostRegister`` in the core outside ``host_memory.py``. Off CUDA a buffer is plain memory."""
+    from pathlib import Path
+
+    core = Path(host_memory.__file__).parent
+    offenders = [p.name for p in core.glob("*.py") if p.name != "host_memory.py"
+                 and any(w in p.read_text(encoding="utf-8") for w in ("pin_memory", "cudaHostRegister", "cudaHostAlloc"))]
+    assert offenders == []
+    buf = host_memory.pinned_buffer(1000)
+    assert buf.tensor.numel() == 1000 and buf.pinned == torch.cuda.is_available()
+    buf.free()
+    assert buf.tensor is None and not buf.pinned

@@ -1,33 +1,58 @@
-"""``scripts/gpu-check`` runs on CPU as ``--device cpu --size tiny`` and writes its JSON and Markdown."""
+"""``scripts/gpu-check`` runs on CPU as ``--device cpu --size tiny``: its rows, written to the JSON after
+each row (a run cut off still returns them), and its Markdown."""
 
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+ROWS = ("dense-bf16-none", "dense-bf16-block", "dense-bf16-block-repeats", "moe-bf16-none", "moe-fp8-none",
+        "moe-fp8-block", "async-dense-bf16-block")
 
 
 def test_gpu_check_tiny_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="2")
-    proc = subprocess.run([str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--size", "tiny", "--steps", "1",
-                           "--out", str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    cmd = [str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--size", "tiny", "--steps", "1",
+           "--out", str(out), "--rows", ",".join(ROWS)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    snapshot, deadline = None, time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        path = out / "gpu-check.json"
+        if snapshot is None and path.is_file():
+            data = json.loads(path.read_text())  # replaced atomically: never half-written
+            if data.get("rows"):
+                snapshot = data
+        time.sleep(0.2)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout + stderr[-4000:]
     report = json.loads((out / "gpu-check.json").read_text())
     md = (out / "gpu-check.md").read_text()
-    assert report["ok"] and "Result: PASS" in md
-    runs = report["offload"]["runs"]
-    assert [(r["precision"], r["mode"]) for r in runs] == [
-        (p, m) for p in ("bf16", "fp8_e4m3fn") for m in ("none", "model", "sequential", "block")]
-    assert all(r["generate_s"] > 0 and r["frames_finite"] for r in runs)
-    assert report["offload"]["bf16_frames_identical"] and report["offload"]["fp8_e4m3fn_frames_identical"]
-    bf16 = {r["frames_sha256"] for r in runs if r["precision"] == "bf16"}
-    fp8 = {r["frames_sha256"] for r in runs if r["precision"] == "fp8_e4m3fn"}
-    assert bf16 != fp8  # the fp8 DiT really ran with other weights
+    assert report["ok"] and not report["partial"] and "Result: PASS" in md
+
+    # rows reached the file while the run was still going
+    assert snapshot is not None and snapshot["partial"] and 0 < len(snapshot["rows"]) < len(ROWS)
+    assert not report["machine"]["tf32_matmul"]
+
+    rows = {r["name"]: r for r in report["rows"]}
+    assert list(rows) == list(ROWS)
+    assert rows["async-dense-bf16-block"] == {"name": "async-dense-bf16-block", "skipped": "CUDA only"}
+    ran = [r for r in rows.values() if "skipped" not in r]
+    for r in ran:
+        assert r["frames_finite"] and r["repeats_identical"] and len(r["generate_s"]) == r["repeats"]
+        assert r["text_encoder_forwards"] >= r["repeats"]  # the prompt cache was cleared: the encoder ran each time
+        assert r["rss_peak_mib"] >= r["rss_mib"] > 0 and r["pinned_bytes"] == 0  # nothing is pinned on a CPU
+    assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none"]
+    assert all(set(x["locked_mib"]) == {"VmPin", "VmLck"} for x in report["after_release"])
+    assert rows["dense-bf16-block"]["same_as"] == {"row": "dense-bf16-none", "equal": True}
+    assert rows["moe-fp8-block"]["same_as"] == {"row": "moe-fp8-none", "equal": True}
+    assert rows["dense-bf16-block-repeats"]["repeats"] == 5 and rows["dense-bf16-block-repeats"]["steps"] == 2
+    assert rows["moe-bf16-none"]["frames_sha256"] != rows["dense-bf16-none"]["frames_sha256"]
+    assert rows["moe-fp8-none"]["frames_sha256"] != rows["moe-bf16-none"]["frames_sha256"]  # fp8 really ran
     for label in ("bf16", "fp8_e4m3fn"):
         x = report["precision"][label]
         assert 0 < x["mean_abs"] <= x["max_abs"] <= 0.25, x
     assert report["moe"]["bit_identical_to_before"]["slices"]
-    assert "| bf16 | block K=0 |" in md
+    assert "| dense-bf16-block | dense | bf16 | block K=0 | native |" in md

@@ -186,3 +186,75 @@ def _hooks(module):
 def _weights_map_tensors(hook):
     data = getattr(getattr(hook, "weights_map", None), "dataset", None)  # accelerate's PrefixedDataset
     return [t for t in (data or {}).values() if isinstance(t, torch.Tensor)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Budget arithmetic against the real bytes of the packages' files (issue 15 item 7)
+# ---------------------------------------------------------------------------------------------
+
+
+def file_tensor_bytes(root, subfolders=("transformer", "text_encoder", "vae")) -> int:
+    """Bytes of every tensor in every safetensors file of the components, read with safetensors itself."""
+    from safetensors import safe_open
+
+    total = 0
+    for sub in subfolders:
+        for path in sorted((root / sub).glob("*.safetensors")):
+            with safe_open(str(path), "pt") as f:
+                for key in f.keys():
+                    t = f.get_tensor(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def test_weight_bytes_count_every_file_of_a_sharded_package(packages):
+    root = packages["moe_sharded"]  # fp32 files loaded in fp32 on the CPU: loaded bytes = file bytes
+    assert len(list((root / "transformer").glob("*.safetensors"))) == 2
+    pool = PipelinePool()
+    spec = pool.handle(root, device="cpu").spec
+    assert pool.weight_bytes(spec) == file_tensor_bytes(root)
+
+
+@pytest.mark.parametrize("spare", [-1, 0])
+def test_headroom_is_kept_free_not_added_to_the_available_ram(packages, monkeypatch, spare):
+    import lingbot_core.pipeline_pool as pp
+
+    root = packages["dense"]
+    need = file_tensor_bytes(root)
+    headroom = pp.DEFAULT_HEADROOM
+    monkeypatch.setattr(pp, "available_ram", lambda: need + headroom + spare)
+    pool = PipelinePool()
+    handle = pool.handle(root, device="cpu")
+    if spare < 0:  # one byte short of weights + headroom: refused before reading a byte
+        monkeypatch.setattr(pp, "load_pipeline", lambda *a, **k: pytest.fail("weights were read"))
+        with pytest.raises(MemoryBudgetError, match=r"of RAM available \(keeping 1.00 GiB free\)"):
+            handle.encode_prompt("a kite", guidance_scale=1.0)
+        assert not handle.loaded
+    else:
+        handle.encode_prompt("a kite", guidance_scale=1.0)
+        assert handle.loaded
+        pool.release_idle()
+
+
+def test_switching_into_block_makes_room_for_its_pins(packages, monkeypatch):
+    """A loaded pipeline switched to offload 'block' pins its staging ring: the pool makes room for those
+    bytes first (evicting an idle pipeline), or refuses clearly. Pins exist only on CUDA, so this CPU
+    test states the ring's size for the dense spec."""
+    probe = PipelinePool()
+    dense_spec = probe.handle(packages["dense"], device="cpu").spec
+    moe_spec = probe.handle(packages["moe"], device="cpu").spec
+    pins = 4096
+    pool = budget_pool(probe.weight_bytes(dense_spec) + probe.weight_bytes(moe_spec) + pins - 1)
+    monkeypatch.setattr(pool, "pin_bytes", lambda spec: pins if spec == dense_spec else 0)
+    moe = pool.handle(packages["moe"], device="cpu")
+    pool.handle(packages["dense"], offload="model", device="cpu").encode_prompt("a kite", guidance_scale=1.0)
+    moe.encode_prompt("a kite", guidance_scale=1.0)
+    block = pool.handle(packages["dense"], offload="block", device="cpu")
+    with pool.use(moe):  # running: cannot be evicted
+        with pytest.raises(MemoryBudgetError, match=r"switching to offload 'block' \(pinned staging buffers\) needs about"):
+            block.encode_prompt("a kite", guidance_scale=1.0)
+    block.encode_prompt("a kite", guidance_scale=1.0)  # the idle MoE pipeline makes room
+    assert pool.loaded() == (dense_spec,)
+    with pool.use(block) as pipe:
+        assert pipe.offload == "block"
+    pool.release_idle()
