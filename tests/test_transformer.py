@@ -487,3 +487,37 @@ def test_dense_block_matches_per_token_reference():
         ref = _block_reference(block, x, temb6, grid, text_len, axes_dims, theta)
     assert (out - x).abs().max() > 0.1  # the block really changes its input
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def _route_one_token(scores: list, bias: list, *, top_k, n_group, topk_group):
+    """Per-token reference in plain Python (model doc §5.8): groups ranked by the sum of their two best
+    bias-corrected scores, the best ``topk_group`` groups kept, then the top-k corrected scores among them."""
+    per = len(scores) // n_group
+    select = [s + b for s, b in zip(scores, bias)]
+    group_sums = [sum(sorted(select[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+    kept = sorted(range(n_group), key=lambda g: -group_sums[g])[:topk_group]
+    candidates = [e for g in kept for e in range(g * per, (g + 1) * per)]
+    chosen = sorted(sorted(candidates, key=lambda e: -select[e])[:top_k])
+    total = sum(scores[e] for e in chosen)
+    return chosen, [scores[e] / (total + 1e-20) * 2.5 for e in chosen]
+
+
+def test_route_keeps_topk_group_groups_like_the_release():
+    """The release routes with n_group 4, topk_group 2: a token's experts may come from two groups. Checked
+    token by token against the plain-Python rule on random logits (the tiny fixture's n_group 2 / topk_group 1
+    cannot tell 'the best topk_group groups' from 'the best group')."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randn(64, 32, generator=g)
+    weight = torch.randn(16, 32, generator=g) * 0.3
+    bias = torch.randn(16, generator=g) * 0.1
+    ids, gates = route_tokens(tokens, weight, bias, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                              routed_scaling_factor=2.5)
+    scores = torch.sigmoid(tokens.double() @ weight.double().t())
+    two_groups = 0
+    for i in range(tokens.shape[0]):
+        expected, expected_gates = _route_one_token(scores[i].tolist(), bias.double().tolist(), top_k=4, n_group=4, topk_group=2)
+        order = ids[i].argsort()
+        assert ids[i][order].tolist() == expected, i
+        torch.testing.assert_close(gates[i][order].double(), torch.tensor(expected_gates, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        two_groups += len({e // 4 for e in expected}) == 2
+    assert two_groups > 16  # many tokens really use two groups, so topk_group matters here
