@@ -13,6 +13,7 @@ code runs on CPU without autocast and gives the reference numbers on CUDA.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -376,6 +377,10 @@ class TransformerBlock(nn.Module):
         return x + (torch.tanh(gate_f) * self.norm_post_ffn(y)).to(x.dtype)
 
 
+# RoPE tables a model keeps (see LingBotVideoTransformer3DModel.rope_table).
+ROPE_CACHE_SIZE = 4
+
+
 class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     """LingBot-Video DiT. ``forward(latents, timestep, text_states)`` returns the flow velocity."""
 
@@ -452,6 +457,33 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         self.blocks = nn.ModuleList(blocks)
         self.norm_out_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
         self.proj_out = Linear(dim, patch_dim // in_channels * out_channels, bias=True)
+        self._rope_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+    # -- RoPE table cache --------------------------------------------------------------------
+
+    def rope_table(self, grid: Sequence[int], text_len: int, device: torch.device) -> torch.Tensor:
+        """The complex64 RoPE table for ``grid`` and ``text_len`` on ``device``, from a small per-model cache.
+
+        A bounded cache (:data:`ROPE_CACHE_SIZE` entries, least recently used dropped; CFG alternates two
+        text lengths, so a run needs two): the table is built once (in float64 on the CPU, as
+        :func:`rope_frequencies` defines it, so the bits are the uncached table's) and copied to the device
+        once, instead of on every forward (about 130 MB at the refiner's size). The pipeline empties it when
+        a denoise stage ends (:meth:`clear_rope_cache`), so no table outlives the stage on the GPU.
+        """
+        key = (tuple(int(v) for v in grid), int(text_len), torch.device(device))
+        table = self._rope_cache.get(key)
+        if table is None:
+            cfg = self.config
+            table = rope_frequencies(rope_position_ids(key[0], key[1]), cfg.axes_dims, cfg.rope_theta).to(device)
+            self._rope_cache[key] = table
+            while len(self._rope_cache) > ROPE_CACHE_SIZE:
+                self._rope_cache.popitem(last=False)
+        else:
+            self._rope_cache.move_to_end(key)
+        return table
+
+    def clear_rope_cache(self) -> None:
+        self._rope_cache.clear()
 
     # -- precision ---------------------------------------------------------------------------
 
@@ -494,8 +526,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         u = self.text_embedder(encoder_hidden_states.to(dtype), dtype)
         x = torch.cat([x, u], dim=1)
 
-        positions = rope_position_ids(grid, text_len)
-        freqs = rope_frequencies(positions, cfg.axes_dims, cfg.rope_theta).to(x.device)
+        freqs = self.rope_table(grid, text_len, x.device)
 
         t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
         temb6 = self.time_modulation[1](F.silu(t_emb), dtype).float()
