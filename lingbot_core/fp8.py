@@ -4,7 +4,8 @@ are read back.
 A quantized tensor ``X.name`` is stored as fp8 (``float8_e4m3fn`` or ``float8_e5m2``) next to a scale
 ``X.scale_name`` (so a Linear has ``weight`` + ``scale_weight``, ComfyUI's "fp8 scaled" convention;
 the expert stacks have ``w1`` + ``scale_w1``, one scale per expert). The real weight is
-``fp8.to(compute_dtype) * scale``, formed at use, one layer (or one expert) at a time.
+``fp8.to(compute_dtype) * scale``, formed at use: one Linear at a time, and each expert stack of a
+MoE layer once per call (all experts together: no per-expert kernels).
 
 Scales chosen here are powers of two: scaling a float by 2^k changes only its exponent, so the
 quantization error is exactly fp8's own rounding of the weight, and ``fp8 * scale`` is exact in bf16.
@@ -97,11 +98,16 @@ def quantize(tensor: torch.Tensor, dtype: torch.dtype, scale_shape_: tuple = ())
 
 
 def dequantize(weight: torch.Tensor, scale: Optional[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    """The weight in ``dtype``: ``weight.to(dtype)`` when unscaled, else ``weight.to(dtype) * scale``."""
+    """The weight in ``dtype``: ``weight.to(dtype)`` when unscaled, else ``weight.to(dtype) * scale``.
+
+    The scale is applied in place on the converted copy, so an fp8 weight costs one ``dtype`` temporary
+    (not two); the same bits as the out-of-place product. A weight already in ``dtype`` is never written.
+    """
     w = weight.to(dtype)
     if scale is None:
         return w
-    return w * scale.to(device=w.device, dtype=dtype)
+    scale = scale.to(device=w.device, dtype=dtype)
+    return w * scale if w is weight else w.mul_(scale)
 
 
 def checkpoint_scale(name: str, scale: torch.Tensor, weight_shape) -> torch.Tensor:

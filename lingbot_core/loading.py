@@ -23,6 +23,7 @@ from .fp8 import (
 )
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
+from .precision import auto_dtypes
 from .scheduling import load_scheduler_config
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
@@ -40,9 +41,9 @@ class ModelPackageError(ValueError):
     """A model folder that is missing a component or holds invalid weights; the message says which."""
 
 
-def default_dtypes(device: torch.device) -> Dict[str, torch.dtype]:
-    low = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"transformer": low, "text_encoder": low, "vae": torch.float32}
+def default_dtypes(device: torch.device, capability=None, log: bool = False) -> Dict[str, torch.dtype]:
+    """The ``auto`` dtypes for ``device`` (by compute capability on CUDA; see :mod:`lingbot_core.precision`)."""
+    return auto_dtypes(device, capability, log=log)
 
 
 def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "") -> torch.dtype:
@@ -353,7 +354,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     check_offload_mode(offload)
     check_blocks_on_gpu(blocks_on_gpu)
     device = resolve_device(device)
-    chosen = default_dtypes(device)
+    chosen = default_dtypes(device, log=not set(dtypes or {}) >= set(COMPONENTS))  # log what auto chose
     for key, value in (dtypes or {}).items():
         if key not in chosen:
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")

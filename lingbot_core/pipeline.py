@@ -244,18 +244,25 @@ class LingbotPipeline:
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)
-            x = sample(
-                self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
-                negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
-                scheduler_config=self.scheduler_config, callback=callback,
-            )
+            try:
+                x = sample(
+                    self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
+                    negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
+                    scheduler_config=self.scheduler_config, callback=callback,
+                )
+            finally:
+                self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
             return x.to("cpu")
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """DiT-space latents (1, 16, T', h, w) -> frames (T, H, W, 3) float32 in [0, 1] on the CPU."""
+    def decode(self, latents: torch.Tensor, *, tiling: bool = False, tile_size: Tuple[int, int] = REFINER_TILE,
+               tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE) -> torch.Tensor:
+        """DiT-space latents (1, 16, T', h, w) -> frames (T, H, W, 3) float32 in [0, 1] on the CPU.
+
+        ``tiling`` decodes in overlapping spatial tiles (``tile_size`` pixels, ``tile_stride`` apart, blended
+        over the overlap), as the reference's refiner does; only frames larger than a tile are tiled."""
         self._require_loaded()
-        with self.offloader.stage():
+        with self.offloader.stage(), vae_tiling(self.vae, tiling, tile_size, tile_stride):
             return vae_decode(self.vae, self.normalizer.to_vae(latents), self.offloader.execution_device("vae"))
 
     # -- runs ------------------------------------------------------------------------------------
@@ -302,6 +309,7 @@ class LingbotPipeline:
 
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
         ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
+        ``vae_tiling`` tiles the VAE encode and the decode (``tile_size`` / ``tile_stride`` in pixels).
         """
         self._require_loaded()
         if not self.is_refiner:
@@ -340,4 +348,4 @@ class LingbotPipeline:
         latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
         if output_type == "latent":
             return latents
-        return _output(self.decode(latents), output_type)
+        return _output(self.decode(latents, **tiling), output_type)

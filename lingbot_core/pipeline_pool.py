@@ -29,7 +29,7 @@ import torch
 
 from .latents import LatentNormalizer
 from .loading import (
-    DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
+    COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
 )
 from .memory import (
     MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
@@ -72,7 +72,7 @@ class PipelineSpec:
         return f"{Path(self.model_dir).name} ({self.transformer_subfolder})"
 
     def load_dtypes(self) -> Dict[str, torch.dtype]:
-        chosen = default_dtypes(torch.device(self.device))
+        chosen = default_dtypes(torch.device(self.device), log=len(self.dtypes) < len(COMPONENTS))
         for key, name in self.dtypes:
             chosen[key] = getattr(torch, name)
         return chosen

@@ -13,6 +13,7 @@ code runs on CPU without autocast and gives the reference numbers on CUDA.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Optional, Sequence
 
 import torch
@@ -23,6 +24,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
 
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
+from .precision import grouped_mm_fast
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -209,22 +211,19 @@ class Experts(nn.Module):
         for name in ("w1", "w2", "w3"):
             self.register_buffer(f"scale_{name}", None)
 
-    def weight(self, name: str, dtype: torch.dtype, expert: Optional[int] = None) -> torch.Tensor:
-        """Expert stack ``name`` (or one expert of it) in ``dtype``."""
-        w, scale = getattr(self, name), getattr(self, f"scale_{name}")
-        if expert is not None:
-            w, scale = w[expert], None if scale is None else scale[expert]
-        return dequantize(w, scale, dtype)
-
-
-# Device types on which the experts run as one ``torch._grouped_mm`` per weight stack. On CPU it gives
-# the same bits but was slower than one matmul per expert (bench/moe_ffn.py, docs/benchmarks.md), so it
-# is off until a device shows a gain (scripts/gpu-check measures CUDA).
-GROUPED_MM_DEVICES = frozenset()
+    def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(w1, w3, w2)`` in ``dtype``, each whole stack converted once (bf16 stacks are returned as they
+        are). fp8 stacks cost one cast and one in-place scale per stack, whatever the number of experts;
+        the price is one block's expert weights in bf16 while the layer runs."""
+        return tuple(dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return hasattr(torch, "_grouped_mm") and x.device.type in GROUPED_MM_DEVICES
+    return grouped_mm_fast(x.device)
+
+
+# Tokens per ``torch._grouped_mm`` pass: bounds the gathered (token, expert) rows to 8 x 8192 rows at a time.
+GROUPED_CHUNK_TOKENS = 8192
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts: Experts,
@@ -232,49 +231,63 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     """Sum over the selected experts of ``gate * expert(x)``, in fp32, for tokens ``x`` (N, D) bf16.
 
     The (token, expert) pairs are sorted by expert once (stably: tokens stay ascending within an
-    expert), so each expert reads a contiguous slice, and the slice sizes need one host sync per call
-    instead of one scan and sync per expert. Each expert's weighted output is added into the fp32 sum
-    in ascending expert id: per token the same rows, operations and order as one ``index_add_`` per
-    expert over ``ids == e``, hence the same bits.
+    expert), so each expert reads a contiguous slice of the sorted rows, and the slice sizes need one
+    host sync per call instead of one scan and sync per expert. Each expert gathers only its own rows
+    (never all N * k pairs at once), and its weighted output is added into the fp32 sum in ascending
+    expert id: per token the same rows, operations and order as one ``index_add_`` per expert over
+    ``ids == e``, hence the same bits.
 
-    ``grouped`` runs all experts as one ``torch._grouped_mm`` per weight stack (no host sync) and then
-    adds each token's k contributions in ascending expert id, starting from zero: the same bits again.
+    ``grouped`` runs the experts as one ``torch._grouped_mm`` per weight stack (no host sync), in chunks
+    of :data:`GROUPED_CHUNK_TOKENS` tokens, and then adds each token's k contributions in ascending
+    expert id, starting from zero: the same bits again where the grouped kernel computes each row as a
+    matmul would (checked on CPU; scripts/gpu-check compares on CUDA).
     """
+    if grouped is None:
+        grouped = _use_grouped_mm(x)
+    w1, w3, w2 = experts.stacks(x.dtype)
+    if grouped:
+        return _run_experts_grouped(x, ids, gates, w1, w3, w2)
     n, k = ids.shape
-    num_experts = experts.w1.shape[0]
     flat = ids.reshape(-1)
     order = flat.argsort(stable=True)
     rows = order // k  # token of each sorted pair
-    xs = x[rows]
     weights = gates.reshape(-1)[order].float()[:, None]
-    counts = torch.bincount(flat, minlength=num_experts)
-    if grouped is None:
-        grouped = _use_grouped_mm(x)
-    dtype = x.dtype
-    out = torch.zeros(n, experts.w2.shape[1], dtype=torch.float32, device=x.device)
-    if not grouped:
-        start = 0
-        for e, count in enumerate(counts.tolist()):
-            if count:
-                part = slice(start, start + count)
-                h = F.silu(xs[part] @ experts.weight("w1", dtype, e).t()) * (xs[part] @ experts.weight("w3", dtype, e).t())
-                y = h @ experts.weight("w2", dtype, e).t()
-                out.index_add_(0, rows[part], y.float() * weights[part])
-                start += count
-        return out
-    offsets = counts.cumsum(0).to(torch.int32)
+    counts = torch.bincount(flat, minlength=w1.shape[0])
+    out = torch.zeros(n, w2.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, count in enumerate(counts.tolist()):
+        if count:
+            part = rows[start:start + count]
+            xe = x.index_select(0, part)
+            h = F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())
+            # bf16 y times fp32 weights promotes to fp32: the same bits as y.float() * w, in one kernel.
+            out.index_add_(0, part, torch.mul(h @ w2[e].t(), weights[start:start + count]))
+            start += count
+    return out
 
-    def mm(a, name):
-        return torch._grouped_mm(a, experts.weight(name, dtype).transpose(-2, -1), offs=offsets)
 
-    ys = mm(F.silu(mm(xs, "w1")) * mm(xs, "w3"), "w2")
-    position = torch.empty_like(order)
-    position[order] = torch.arange(n * k, device=order.device)
-    # Row of ys holding (token, j-th smallest expert id): pairs are sorted by expert, so sorting a
-    # token's positions sorts its experts.
-    position = position.view(n, k).sort(dim=-1).values
-    for j in range(k):
-        out += ys[position[:, j]].float() * weights[position[:, j]]
+def _run_experts_grouped(x, ids, gates, w1, w3, w2) -> torch.Tensor:
+    n, k = ids.shape
+    out = torch.empty(n, w2.shape[1], dtype=torch.float32, device=x.device)
+    w1t, w3t, w2t = (w.transpose(-2, -1) for w in (w1, w3, w2))
+    for lo in range(0, n, GROUPED_CHUNK_TOKENS):
+        hi = min(n, lo + GROUPED_CHUNK_TOKENS)
+        flat = ids[lo:hi].reshape(-1)
+        order = flat.argsort(stable=True)
+        xs = x[lo:hi].index_select(0, order // k)
+        weights = gates[lo:hi].reshape(-1)[order].float()[:, None]
+        offsets = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+        h = F.silu(torch._grouped_mm(xs, w1t, offs=offsets)) * torch._grouped_mm(xs, w3t, offs=offsets)
+        ys = torch._grouped_mm(h, w2t, offs=offsets)
+        position = torch.empty_like(order)
+        position[order] = torch.arange(order.numel(), device=order.device)
+        # Row of ys holding (token, j-th smallest expert id): pairs are sorted by expert, so sorting a
+        # token's positions sorts its experts.
+        position = position.view(hi - lo, k).sort(dim=-1).values
+        acc = out[lo:hi]
+        acc.zero_()
+        for j in range(k):
+            acc += ys[position[:, j]].float() * weights[position[:, j]]
     return out
 
 
@@ -364,6 +377,10 @@ class TransformerBlock(nn.Module):
         return x + (torch.tanh(gate_f) * self.norm_post_ffn(y)).to(x.dtype)
 
 
+# RoPE tables a model keeps (see LingBotVideoTransformer3DModel.rope_table).
+ROPE_CACHE_SIZE = 4
+
+
 class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     """LingBot-Video DiT. ``forward(latents, timestep, text_states)`` returns the flow velocity."""
 
@@ -440,6 +457,33 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         self.blocks = nn.ModuleList(blocks)
         self.norm_out_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
         self.proj_out = Linear(dim, patch_dim // in_channels * out_channels, bias=True)
+        self._rope_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+
+    # -- RoPE table cache --------------------------------------------------------------------
+
+    def rope_table(self, grid: Sequence[int], text_len: int, device: torch.device) -> torch.Tensor:
+        """The complex64 RoPE table for ``grid`` and ``text_len`` on ``device``, from a small per-model cache.
+
+        A bounded cache (:data:`ROPE_CACHE_SIZE` entries, least recently used dropped; CFG alternates two
+        text lengths, so a run needs two): the table is built once (in float64 on the CPU, as
+        :func:`rope_frequencies` defines it, so the bits are the uncached table's) and copied to the device
+        once, instead of on every forward (about 130 MB at the refiner's size). The pipeline empties it when
+        a denoise stage ends (:meth:`clear_rope_cache`), so no table outlives the stage on the GPU.
+        """
+        key = (tuple(int(v) for v in grid), int(text_len), torch.device(device))
+        table = self._rope_cache.get(key)
+        if table is None:
+            cfg = self.config
+            table = rope_frequencies(rope_position_ids(key[0], key[1]), cfg.axes_dims, cfg.rope_theta).to(device)
+            self._rope_cache[key] = table
+            while len(self._rope_cache) > ROPE_CACHE_SIZE:
+                self._rope_cache.popitem(last=False)
+        else:
+            self._rope_cache.move_to_end(key)
+        return table
+
+    def clear_rope_cache(self) -> None:
+        self._rope_cache.clear()
 
     # -- precision ---------------------------------------------------------------------------
 
@@ -482,8 +526,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         u = self.text_embedder(encoder_hidden_states.to(dtype), dtype)
         x = torch.cat([x, u], dim=1)
 
-        positions = rope_position_ids(grid, text_len)
-        freqs = rope_frequencies(positions, cfg.axes_dims, cfg.rope_theta).to(x.device)
+        freqs = self.rope_table(grid, text_len, x.device)
 
         t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
         temb6 = self.time_modulation[1](F.silu(t_emb), dtype).float()

@@ -81,8 +81,8 @@ class LoadLingbotPipeline:
                                 "tooltip": "'transformer' generates; 'refiner' (MoE package only) loads the refiner DiT for the Refine node."}),
                 "offload": (list(OFFLOAD_MODES), {"default": "model",
                             "tooltip": "none: everything on the GPU (fastest, most VRAM). model: one component on the GPU at a time. sequential: weights streamed per layer (least VRAM, slowest). block: like model, but the DiT is streamed block by block with the next block prefetched (blocks_on_gpu blocks stay resident)."}),
-                "dit_precision": (DIT_PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPU, fp32 on CPU. fp8_e4m3fn / fp8_e5m2 store the block weights in fp8 (half the RAM, VRAM and transfer of bf16, computed in bf16). fp32 islands (norms, modulation, router) always stay fp32."}),
-                "text_encoder_precision": (PRECISIONS, {"default": "auto", "tooltip": "Qwen3-VL text encoder dtype. auto = bf16 on GPU, fp32 on CPU."}),
+                "dit_precision": (DIT_PRECISIONS, {"default": "auto", "tooltip": "DiT weights dtype. auto = bf16 on GPUs of compute capability 8.0+ (Ampere and newer), fp16 below, fp32 on CPU. fp8_e4m3fn / fp8_e5m2 store the block weights in fp8 (half the RAM, VRAM and transfer of bf16, computed in bf16). fp32 islands (norms, modulation, router) always stay fp32."}),
+                "text_encoder_precision": (PRECISIONS, {"default": "auto", "tooltip": "Qwen3-VL text encoder dtype. auto = bf16 on GPUs of compute capability 8.0+, fp32 below and on CPU."}),
                 "vae_precision": (VAE_PRECISIONS, {"default": "fp32", "tooltip": "Wan VAE dtype; fp32 is the reference setting."}),
             },
             "optional": {

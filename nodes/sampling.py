@@ -52,7 +52,7 @@ class GenerateVideo:
                 "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Sampling steps (UniPC); 40 is the reference setting."}),
                 "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance; 3.0 is the reference setting, <= 1 disables it (twice as fast)."}),
                 "shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 20.0, "step": 0.1, "tooltip": "Sigma shift of the flow schedule; 3.0 is the reference setting."}),
-                "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Same seed, same video, in every offload mode and on any device."}),
+                "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Same seed, same video in every offload mode on the same device and precision. Noise is drawn on the CPU, so the start is the same everywhere, but auto precision is fp32 on a CPU and bf16 on a GPU (fp16 below sm80), so frames from different devices differ slightly."}),
             },
             "optional": {
                 "image_condition": ("LINGBOT_IMAGE_COND", {"tooltip": "First frame from EncodeImageVAE (image-to-video). Its size must match width x height."}),
@@ -105,7 +105,7 @@ class Refine:
                 "t_thresh": ("FLOAT", {"default": 0.85, "min": 0.01, "max": 1.0, "step": 0.01, "tooltip": "Noise level the refinement starts from (0.85 reference); lower keeps more of the base video."}),
                 "tail_steps": ("INT", {"default": 2, "min": 0, "max": 20, "tooltip": "Extra low-noise steps appended after the grid (2 reference)."}),
                 "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Seed of the refiner's own generator."}),
-                "vae_tiling": ("BOOLEAN", {"default": True, "tooltip": "Tiled VAE encode (384x640 tiles, 288x480 stride); keeps 1080p encodes within VRAM."}),
+                "vae_tiling": ("BOOLEAN", {"default": True, "tooltip": "Tiled VAE encode and decode (384x640 tiles, 288x480 stride, as the reference refiner); keeps 1080p within VRAM. Tiles blend over their overlap, so frames differ slightly from an untiled decode."}),
             },
             "optional": {
                 "first_frame": ("IMAGE", {"tooltip": "Image-to-video only: the original input image, re-pinned as the clean first frame."}),

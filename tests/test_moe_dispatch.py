@@ -7,7 +7,7 @@ from unittest import mock
 import pytest
 import torch
 
-from bench.moe_ffn import before
+from bench.moe_ffn import before, issue10
 from lingbot_core.transformer import MoEFeedForward, route_tokens, run_experts
 
 CFG = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, n_group=4, topk_group=2,
@@ -47,6 +47,8 @@ def test_bit_identical_to_per_expert_loop(dtype, grouped):
             out = ffn(f, dtype)
     assert out.dtype == dtype and out.shape == f.shape
     assert torch.equal(out, expected), (out - expected).abs().max()
+    with torch.no_grad():
+        assert torch.equal(out, issue10(ffn, f, dtype))  # and the issue-10 dispatch (all rows gathered at once)
     assert (out != 0).float().mean() > 0.99  # a real output, not zeros
 
 
@@ -84,3 +86,27 @@ def test_one_host_sync_per_block_at_most():
         calls.clear()
         run_experts(tokens, ids, gates, ffn.experts, grouped=True)
         assert calls == []
+
+
+def test_per_slice_path_never_gathers_all_routed_rows():
+    """Each expert gathers only its own rows: no (N * k, D) tensor exists in the per-slice path (at the
+    refiner's size that would be 8 GB in bf16), while the outputs stay bit-identical (test above)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ffn = make_ffn(torch.bfloat16)
+    tokens = torch.randn(60, DIM, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    ids, gates = route_tokens(tokens, ffn.router.weight, ffn.router.e_score_correction_bias, top_k=4, n_group=4,
+                              topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    shapes = []
+
+    class Shapes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor):
+                shapes.append(tuple(out.shape))
+            return out
+
+    with torch.no_grad(), Shapes():
+        run_experts(tokens, ids, gates, ffn.experts, grouped=False)
+    wide = [s for s in shapes if len(s) == 2 and s[1] == DIM]
+    assert wide and max(s[0] for s in wide) <= tokens.shape[0], sorted(set(wide))  # at most N rows of width D

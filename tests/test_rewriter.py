@@ -215,6 +215,25 @@ def test_cached_rewrite_sends_no_request(server, prompt_file):
     assert len(server.requests) == 4
 
 
+def test_switching_server_url_asks_the_new_server(server, prompt_file):
+    """The answer cache is keyed by the server too: after base_url changes, the old server's cached
+    answer must not come back (a second real server answers differently)."""
+    from chat_server import ChatCompletionsServer
+
+    other = ChatCompletionsServer().start()
+    try:
+        other_caption = {"comprehensive_description": {"scene_content_description": "A blue boat at sea."}}
+        other.replies.update({EXPAND: "A blue boat on a calm sea.", MAP: json.dumps(other_caption)})
+        first = _run(server, prompt_file, seed=1)
+        switched = rewrite(ChatServer(other.url, timeout=10), load_system_prompts(prompt_file), "a red kite over hills",
+                           mode="t2v", expand_model=EXPAND, map_model=MAP, seed=1)
+        assert len(other.requests) == 2  # both steps went to the new server
+        assert json.loads(switched.prompt_json)["caption"] == other_caption
+        assert json.loads(first.prompt_json)["caption"] == CAPTION
+    finally:
+        other.stop()
+
+
 def test_api_key_from_the_named_environment_variable(server, prompt_file, monkeypatch):
     monkeypatch.setenv("LINGBOT_TEST_KEY", "sk-test-123")
     rewrite(ChatServer(server.url, api_key_env="LINGBOT_TEST_KEY"), load_system_prompts(prompt_file), "a kite",

@@ -487,3 +487,80 @@ def test_dense_block_matches_per_token_reference():
         ref = _block_reference(block, x, temb6, grid, text_len, axes_dims, theta)
     assert (out - x).abs().max() > 0.1  # the block really changes its input
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+
+
+def _route_one_token(scores: list, bias: list, *, top_k, n_group, topk_group):
+    """Per-token reference in plain Python (model doc §5.8): groups ranked by the sum of their two best
+    bias-corrected scores, the best ``topk_group`` groups kept, then the top-k corrected scores among them."""
+    per = len(scores) // n_group
+    select = [s + b for s, b in zip(scores, bias)]
+    group_sums = [sum(sorted(select[g * per:(g + 1) * per], reverse=True)[:2]) for g in range(n_group)]
+    kept = sorted(range(n_group), key=lambda g: -group_sums[g])[:topk_group]
+    candidates = [e for g in kept for e in range(g * per, (g + 1) * per)]
+    chosen = sorted(sorted(candidates, key=lambda e: -select[e])[:top_k])
+    total = sum(scores[e] for e in chosen)
+    return chosen, [scores[e] / (total + 1e-20) * 2.5 for e in chosen]
+
+
+def test_route_keeps_topk_group_groups_like_the_release():
+    """The release routes with n_group 4, topk_group 2: a token's experts may come from two groups. Checked
+    token by token against the plain-Python rule on random logits (the tiny fixture's n_group 2 / topk_group 1
+    cannot tell 'the best topk_group groups' from 'the best group')."""
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randn(64, 32, generator=g)
+    weight = torch.randn(16, 32, generator=g) * 0.3
+    bias = torch.randn(16, generator=g) * 0.1
+    ids, gates = route_tokens(tokens, weight, bias, top_k=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                              routed_scaling_factor=2.5)
+    scores = torch.sigmoid(tokens.double() @ weight.double().t())
+    two_groups = 0
+    for i in range(tokens.shape[0]):
+        expected, expected_gates = _route_one_token(scores[i].tolist(), bias.double().tolist(), top_k=4, n_group=4, topk_group=2)
+        order = ids[i].argsort()
+        assert ids[i][order].tolist() == expected, i
+        torch.testing.assert_close(gates[i][order].double(), torch.tensor(expected_gates, dtype=torch.float64), rtol=1e-5, atol=1e-6)
+        two_groups += len({e // 4 for e in expected}) == 2
+    assert two_groups > 16  # many tokens really use two groups, so topk_group matters here
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE table cache (issue 15 item 4)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_rope_table_is_cached_exactly_and_bounded():
+    """The cached table equals the uncached one bit for bit; the second forward with the same grid and text
+    length builds nothing; another text length (CFG's negative) gets its own entry; at most
+    ROPE_CACHE_SIZE entries are kept; clear_rope_cache empties it."""
+    from unittest import mock
+
+    import lingbot_core.transformer as tr
+
+    model = _tiny_model(False)
+    cfg = model.config
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(1, 16, 2, 4, 6, generator=g), torch.tensor([500.0])
+    e7, e5 = torch.randn(1, 7, cfg.text_dim, generator=g), torch.randn(1, 5, cfg.text_dim, generator=g)
+    with torch.no_grad():
+        uncached = model(x, t, e7)
+        model.clear_rope_cache()
+        with mock.patch.object(tr, "rope_frequencies", wraps=tr.rope_frequencies) as build:
+            first = model(x, t, e7)
+            second = model(x, t, e7)
+            assert build.call_count == 1  # the second forward did not rebuild
+            model(x, t, e5)
+            model(x, t, e7)
+            assert build.call_count == 2
+    assert torch.equal(first, uncached) and torch.equal(second, uncached)
+    expected = rope_frequencies(rope_position_ids((2, 2, 3), 7), cfg.axes_dims, cfg.rope_theta)
+    assert torch.equal(model.rope_table((2, 2, 3), 7, torch.device("cpu")), expected)
+    for n in range(1, 9):
+        model.rope_table((1, 1, 1), n, torch.device("cpu"))
+    assert len(model._rope_cache) == tr.ROPE_CACHE_SIZE
+    model.clear_rope_cache()
+    assert len(model._rope_cache) == 0
+
+
+def test_denoise_leaves_no_rope_table_cached(dense_pipe):
+    dense_pipe.generate("a cat", height=32, width=32, num_frames=1, steps=1, seed=0, output_type="latent")
+    assert len(dense_pipe.transformer._rope_cache) == 0
