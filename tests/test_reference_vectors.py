@@ -168,7 +168,7 @@ def test_vae_encode_convention(pipe):
 
 DIT_MODULES = {  # reference activation name -> the pack module whose output it is
     "patch_embedder": "patch_embedder", "text_embedder": "text_embedder", "time_embedder": "time_embedder",
-    "time_modulation": "time_modulation.1", "blocks.0": "blocks.0", "blocks.1": "blocks.1",
+    "time_modulation": "time_modulation.1", "blocks.0": "blocks.0.compute", "blocks.1": "blocks.1.compute",  # one branch through a block
     "norm_out_modulation": "norm_out_modulation.1", "proj_out": "proj_out",
 }
 
@@ -183,7 +183,7 @@ def test_dit_forward_and_activations(pipe):
     modules = dict(dit.named_modules())
     for name, module in DIT_MODULES.items():
         handles.append(modules[module].register_forward_hook(lambda m, a, o, name=name: acts.setdefault(name, o.clone())))
-    handles.append(dit.blocks[0].register_forward_pre_hook(lambda m, a: acts.update(rope=a[2].clone())))
+    handles.append(dit.blocks[0].compute.register_forward_pre_hook(lambda m, a: acts.update(rope=a[3].clone())))
     try:
         with torch.no_grad():
             video = dit(torch.from_numpy(ref["in.latent_video"]), t, text)
