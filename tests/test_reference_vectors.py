@@ -63,14 +63,18 @@ class DitCall(NamedTuple):
 @pytest.fixture(scope="module")
 def scenario_runs(pipe):
     """Each scenario generated once with the reference's settings; the DiT's raw inputs and outputs
-    are recorded with a forward hook (calls alternate cond, uncond)."""
+    are recorded with a forward hook (branches alternate cond, uncond)."""
     cache = {}
 
     def run(name):
         if name not in cache:
             calls = []
-            hook = pipe.transformer.register_forward_hook(
-                lambda m, args, out: calls.append(DitCall(args[0].clone(), args[1].clone(), args[2].shape[1], out.clone())))
+
+            def record(m, args, out):  # a lockstep call carries both branches: lists of texts and outputs
+                texts, outs = (args[2], out) if isinstance(out, list) else ([args[2]], [out])
+                calls.extend(DitCall(args[0].clone(), args[1].clone(), t.shape[1], o.clone()) for t, o in zip(texts, outs))
+
+            hook = pipe.transformer.register_forward_hook(record)
             try:
                 image = first_frame() if name == "ti2v" else None
                 latent = pipe.generate(PROMPT, image=image, num_frames=SCENARIOS[name], output_type="latent", **RUN)
@@ -98,7 +102,7 @@ def test_scenario_frames_and_final_latent(scenario_runs, name):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_dit_inputs_and_velocities(scenario_runs, name):
     ref, calls = vectors(name), scenario_runs(name)["calls"]
-    assert len(calls) == 2 * len(ref["dit_timesteps"])  # sequential CFG: cond then uncond per step
+    assert len(calls) == 2 * len(ref["dit_timesteps"])  # CFG: cond then uncond per step
     cond, uncond = calls[0::2], calls[1::2]
     assert_matches(torch.cat([c.latent for c in cond]), ref["step_latents"], f"{name} step_latents")
     for c, u in zip(cond, uncond):  # both passes of a step see the same latent and timestep
