@@ -2,6 +2,7 @@
 
     python -m bench.speed --json /tmp/speed.json          # all three parts (run under the heavy-job lock)
     python -m bench.speed --parts lockstep,cache          # skip the compile part
+    python -m bench.speed --parts device --package PKG --device cuda   # the gpu-check rows (seed workload)
 
 - ``lockstep``: weight bytes copied to the device per denoising step, sequential CFG vs lockstep,
   measured with the residency tracker (tests/residency.py) on a 6-block tiny dense package under
@@ -13,7 +14,11 @@
   difference;
 - ``cache``: a 40-step TI2V-less T2V run of the tiny dense package at step_cache 0, 0.05, 0.1, 0.2:
   computed / skipped DiT forwards, time ratio and mean frame difference to the uncached run (random
-  weights: the difference says nothing about quality).
+  weights: the difference says nothing about quality);
+- ``device`` (not in the default parts): the gpu-check rows on one TI2V workload (default the seed
+  workload, 192x320 x 49 frames, 40 steps, bf16 on CUDA): plain, flash_attn, sage, compile (first and
+  second run), block K=0 with lockstep off / on, step cache 0.05 / 0.1; time and peak-VRAM ratios to
+  the plain run and the max |frame diff| against it.
 """
 
 from __future__ import annotations
@@ -163,11 +168,85 @@ def cache_part(workdir: Path) -> dict:
     return {"workload": run, "rows": rows}
 
 
+def device_rows(package: str, device: str, steps: int, height: int, width: int, frames: int) -> list:
+    """The gpu-check rows: every lever on one TI2V workload, as ratios to the plain run (offload none,
+    sdpa, no compile, lockstep on, no cache) in this process, with the max |frame diff| against it.
+    Kernels whose package is missing are reported as skipped with the reason."""
+    import re
+
+    import numpy as np
+    import torch
+
+    from lingbot_core import load_pipeline
+    from lingbot_core.attention import diffusers_backend
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    dtypes = {"transformer": "bf16", "text_encoder": "bf16"} if cuda else None
+    pipe = load_pipeline(package, device=device, dtypes=dtypes)
+    g = torch.Generator().manual_seed(0)
+    image = torch.rand(height, width, 3, generator=g)
+    run = dict(image=image, height=height, width=width, num_frames=frames, steps=steps, seed=42)
+
+    def measure(label, offload="none", step_cache=0.0, **speed):
+        pipe.set_offload(offload)
+        pipe.set_speed(**{"attention": "sdpa", "compile_blocks": False, "cfg_lockstep": True, **speed})
+        lines = []
+
+        def callback(i, total, x0):
+            pass
+
+        callback.status = lines.append
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        out = pipe.generate("A red fox trots through fresh snow.", callback=callback, step_cache=step_cache, **run)
+        if cuda:
+            torch.cuda.synchronize()
+        row = {"row": label, "seconds": round(time.perf_counter() - start, 2),
+               "peak_vram_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None}
+        found = re.search(r"(\d+) of (\d+) DiT forwards computed, (\d+) skipped", lines[-1]) if lines else None
+        if found:
+            row["computed"], row["skipped"] = int(found.group(1)), int(found.group(3))
+        log(f"device row {row}")
+        return row, out
+
+    base, base_frames = measure("plain (none, sdpa)")
+    rows = [base]
+    plan = [("attention flash_attn", dict(attention="flash_attn")), ("attention sage", dict(attention="sage")),
+            ("compile_blocks (first run, compiles)", dict(compile_blocks=True)),
+            ("compile_blocks (second run)", dict(compile_blocks=True)),
+            ("block K=0, lockstep off", dict(offload="block", cfg_lockstep=False)),
+            ("block K=0, lockstep on", dict(offload="block")),
+            ("step_cache 0.05", dict(step_cache=0.05)), ("step_cache 0.1", dict(step_cache=0.1))]
+    for label, kwargs in plan:
+        if "attention" in kwargs:
+            try:
+                diffusers_backend(kwargs["attention"], pipe.device, pipe.transformer.compute_dtype)
+            except ValueError as e:
+                rows.append({"row": label, "skipped_because": str(e)})
+                continue
+        row, out = measure(label, **kwargs)
+        row["time_ratio"] = round(row["seconds"] / base["seconds"], 3)
+        if cuda:
+            row["vram_ratio"] = round(row["peak_vram_gib"] / base["peak_vram_gib"], 3)
+        row["max_abs_frame_diff"] = float(np.abs(out - base_frames).max())
+        rows.append(row)
+    pipe.release()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.speed", description=__doc__.split("\n")[0])
     p.add_argument("--parts", default="lockstep,compile,cache")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default=None)
+    p.add_argument("--package", default=None, help="part 'device': a model package (gpu-check: the full-size dense one)")
+    p.add_argument("--device", default="cuda", help="part 'device': where it runs")
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--size", default="192x320", help="part 'device': HxW (the seed workload: 192x320)")
+    p.add_argument("--frames", type=int, default=49)
     args = p.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
@@ -182,6 +261,9 @@ def main(argv=None) -> int:
             report["compile"] = compile_part(args.repeats)
         if "cache" in parts:
             report["cache"] = cache_part(Path(tmp))
+        if "device" in parts:
+            h, w = (int(v) for v in args.size.split("x"))
+            report["device"] = device_rows(args.package, args.device, args.steps, h, w, args.frames)
     text = json.dumps(report, indent=2)
     if args.json:
         Path(args.json).write_text(text, encoding="utf-8")
