@@ -1,6 +1,6 @@
 """torch.compile of the DiT blocks (issue 17 item 3): fp32 CPU frames within 1e-5 of eager, no
 recompile after the first run nor when only the seed or the prompt changes (dynamo's own counters),
-in offload none, block and sequential, and the compile time in the log.
+in every offload mode, and the compile time in the log.
 
 Inductor compiles one graph for the tiny DiT (its C++ kernels land in the on-disk inductor cache, so
 later runs take seconds); deselect with ``-m "not compile"``.
@@ -40,7 +40,7 @@ def compiled(packages):
 CASES = {"first": ("a cat", 1), "seed": ("a cat", 2), "prompt": ("a red fox jumps over the sleeping dog", 1)}
 
 
-@pytest.mark.parametrize("mode", ["none", "block", "sequential"])
+@pytest.mark.parametrize("mode", ["none", "model", "block", "sequential"])
 def test_compiled_frames_match_eager_without_recompiles(compiled, mode):
     pipe, eager, first, compiled_graphs = compiled
     # One graph for every block and both CFG branches (their text lengths differ): the sequence
