@@ -24,7 +24,9 @@ from .fp8 import (
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .precision import auto_dtypes
+from .attention import diffusers_backend
 from .scheduling import load_scheduler_config
+from .speed import SpeedOptions
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
 logger = logging.getLogger("lingbot_core")
@@ -340,13 +342,16 @@ def _check_readable(path: Path, component: str) -> None:
 
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0) -> LingbotPipeline:
+                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0, attention: str = "sdpa",
+                  compile_blocks: bool = False, cfg_lockstep: bool = True) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
     ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
     storage, bf16 compute); missing keys default to bf16 DiT and text encoder on CUDA (fp32 on CPU) and
     an fp32 VAE. ``blocks_on_gpu`` is the number of DiT blocks kept resident under ``offload="block"``.
+    ``attention``, ``compile_blocks`` and ``cfg_lockstep`` are the speed options of
+    :meth:`LingbotPipeline.set_speed` (checked before any weight is read).
     """
     from diffusers import AutoencoderKLWan
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -359,6 +364,9 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         if key not in chosen:
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")
         chosen[key] = _dtype(value, DIT_DTYPES if key == "transformer" else DTYPES, key)
+    SpeedOptions(attention, compile_blocks, cfg_lockstep)  # checked before any weight is read
+    dit_compute = FP8_COMPUTE_DTYPE if is_fp8(chosen["transformer"]) else chosen["transformer"]
+    diffusers_backend(attention, device, dit_compute)
     root = check_package(model_dir, transformer_subfolder)
 
     transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
@@ -387,4 +395,5 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     return LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
+        attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep,
     )

@@ -25,8 +25,11 @@ from .latents import (
 from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
+from .block_compile import FirstStepsTimer
 from .sampler import StepCallback, sample
 from .scheduling import refiner_sigmas, shifted_sigmas
+from .speed import SpeedOptions, apply_speed
+from .step_cache import check_step_cache, make_step_cache
 from .text_conditioning import (
     PromptEmbeds, encode_text, parse_prompt, resolve_negative, template_crop_start, vlm_image,
 )
@@ -102,7 +105,8 @@ class LingbotPipeline:
 
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
-                 offload: str = "none", device=None, blocks_on_gpu: int = 0):
+                 offload: str = "none", device=None, blocks_on_gpu: int = 0, attention: str = "sdpa",
+                 compile_blocks: bool = False, cfg_lockstep: bool = True):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -118,12 +122,16 @@ class LingbotPipeline:
             preload={
                 # Qwen3-VL's vision tower reads its position-embedding weight directly (older transformers).
                 "text_encoder": [type(text_encoder.model.visual).__name__],
-                # The MoE feed-forward reads raw expert weights; its container never runs a forward.
-                "transformer": ["MoEFeedForward"],
+                # Whole DiT blocks: a block's forward runs every CFG branch (lockstep), so its weights
+                # stream in once per step; this also covers the MoE feed-forward's raw expert weights.
+                "transformer": ["TransformerBlock"],
             },
             blocks_on_gpu=blocks_on_gpu,
         )
         self.offloader.apply(offload, resolve_device(device))
+        self.speed = SpeedOptions()
+        self._compile_pending = False
+        self.set_speed(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -161,6 +169,21 @@ class LingbotPipeline:
         if blocks_on_gpu is not None:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
+
+    def set_speed(self, *, attention: Optional[str] = None, compile_blocks: Optional[bool] = None,
+                  cfg_lockstep: Optional[bool] = None) -> None:
+        """Change the speed options on the loaded weights (no reload); ``None`` keeps a value.
+
+        ``attention``: "sdpa" (default, the reference numbers), "flash_attn" or "sage" (CUDA, bf16/fp16;
+        the package must be installed). ``compile_blocks``: torch.compile each DiT block (in every
+        offload mode; the first step compiles). ``cfg_lockstep``: both CFG branches through each block while it is
+        resident (default on; same frames).
+        """
+        self._require_loaded()
+        new = self.speed.updated(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
+        compiling = new.compile_blocks and not self.speed.compile_blocks
+        self.speed = apply_speed(self.transformer, self.speed, new, self.device)
+        self._compile_pending = self._compile_pending or compiling
 
     def release(self) -> None:
         """Remove hooks and drop every component; the pipeline is unusable afterwards."""
@@ -233,13 +256,18 @@ class LingbotPipeline:
     @torch.no_grad()
     def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
-                callback: Optional[StepCallback] = None) -> torch.Tensor:
+                callback: Optional[StepCallback] = None, step_cache: float = 0.0) -> torch.Tensor:
         """Run the UniPC sampler from ``latents`` (DiT space) through ``sigmas``; returns the final latent (CPU).
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
+        ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
+        (lingbot_core.step_cache); 0 = off.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
+        cache = make_step_cache(step_cache, len(sigmas), 2 if g > 1.0 else 1)
+        if self._compile_pending:
+            callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
@@ -249,9 +277,12 @@ class LingbotPipeline:
                     self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
+                    lockstep=self.speed.cfg_lockstep, step_cache=cache,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
+            if cache is not None:
+                logger.info("%s.", cache.summary())
             return x.to("cpu")
 
     @torch.no_grad()
@@ -270,16 +301,19 @@ class LingbotPipeline:
     def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None,
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
-                 condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None):
+                 condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
+                 step_cache: float = 0.0):
         """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
 
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
+        ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.step_cache).
         """
         self._require_loaded()
         if self.is_refiner:
             raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
         check_video_size(num_frames, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
+        check_step_cache(step_cache)
         sigmas = shifted_sigmas(steps, float(shift))
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
@@ -294,7 +328,8 @@ class LingbotPipeline:
         if condition is not None:
             cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
         noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
-        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
+                               callback=callback, step_cache=step_cache)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)
@@ -304,7 +339,7 @@ class LingbotPipeline:
                shift: float = 3.0, t_thresh: float = 0.85, tail_steps: int = 2, seed: int = 42,
                fps: float = 24.0, max_frames: Optional[int] = None, vae_tiling: bool = True,
                tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE,
-               output_type: str = "np", callback: Optional[StepCallback] = None):
+               output_type: str = "np", callback: Optional[StepCallback] = None, step_cache: float = 0.0):
         """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
 
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
@@ -323,6 +358,7 @@ class LingbotPipeline:
             raise ValueError("frames contain NaN or infinite values.")
         check_video_size(1, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
+        check_step_cache(step_cache)
         sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
         base_h, base_w = int(video.shape[1]), int(video.shape[2])
 
@@ -345,7 +381,8 @@ class LingbotPipeline:
 
         embeds = self.encode_prompt(prompt, negative_prompt, guidance_scale=guidance_scale,
                                     num_frames=video.shape[0], null_negative=negative_prompt is None)
-        latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
+                               callback=callback, step_cache=step_cache)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents, **tiling), output_type)

@@ -27,6 +27,8 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
+from .attention import diffusers_backend
+from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
 from .latents import LatentNormalizer
 from .loading import (
     COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
@@ -36,6 +38,7 @@ from .memory import (
 )
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
+from .speed import SpeedOptions
 
 logger = logging.getLogger("lingbot_core")
 
@@ -105,18 +108,22 @@ class PipelinePool:
     # -- handles ---------------------------------------------------------------------------------
 
     def handle(self, model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-               dtypes: Optional[dict] = None, device=None, blocks_on_gpu: int = 0, **options) -> "LazyPipeline":
+               dtypes: Optional[dict] = None, device=None, blocks_on_gpu: int = 0, speed: Optional[SpeedOptions] = None,
+               **options) -> "LazyPipeline":
         """Check the package (headers only) and return a handle; no weight is read here.
 
         ``offload`` and ``blocks_on_gpu`` are placement, not weights: handles that differ only in them
-        share one loaded pipeline, which is re-hooked when a stage runs."""
+        share one loaded pipeline, which is re-hooked when a stage runs. ``speed`` (attention, compile,
+        lockstep) is applied the same way (``LingbotPipeline.set_speed``)."""
         check_offload_mode(offload)
         check_blocks_on_gpu(blocks_on_gpu)
         spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, **options)
         if not self.is_loaded(spec):  # a loaded pipeline needs no files: switching offload reads nothing
             root = check_package(model_dir, transformer_subfolder)
             check_transformer(root / transformer_subfolder, transformer_subfolder)
-        return LazyPipeline(self, spec, offload, blocks_on_gpu)
+        if speed is not None:
+            diffusers_backend(speed.attention, torch.device(spec.device), _compute_dtype(spec))  # refuse before loading
+        return LazyPipeline(self, spec, offload, blocks_on_gpu, speed)
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -204,6 +211,8 @@ class PipelinePool:
             if pipe.offload != handle.offload or (handle.offload == "block" and pipe.blocks_on_gpu != handle.blocks_on_gpu):
                 self._placing(self.pin_bytes(spec) if handle.offload == "block" else 0)
                 pipe.set_offload(handle.offload, blocks_on_gpu=handle.blocks_on_gpu)
+            if pipe.speed != handle.speed:
+                pipe.set_speed(**vars(handle.speed))
             if self.observer is not None:
                 self.observer.using(spec, pipe)
             yield pipe
@@ -300,17 +309,24 @@ class PipelinePool:
                     format_bytes(self._bytes.get(spec)), format_bytes(before), format_bytes(after))
 
 
+def _compute_dtype(spec: PipelineSpec) -> torch.dtype:
+    dtype = spec.load_dtypes()["transformer"]
+    return FP8_COMPUTE_DTYPE if is_fp8(dtype) else dtype
+
+
 class LazyPipeline:
     """A pipeline that loads its weights the first time a stage needs them (see the module docstring).
 
     The stage and run methods take the arguments of :class:`~lingbot_core.pipeline.LingbotPipeline`.
     """
 
-    def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0):
+    def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0,
+                 speed: Optional[SpeedOptions] = None):
         self.pool = pool
         self.spec = spec
         self.offload = check_offload_mode(offload)
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
+        self.speed = speed or SpeedOptions()
         self._normalizer: Optional[LatentNormalizer] = None
 
     def _comfy_cache_tensors(self):
@@ -353,6 +369,10 @@ class LazyPipeline:
         self.offload = check_offload_mode(mode)
         if blocks_on_gpu is not None:
             self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
+
+    def set_speed(self, **changes) -> None:
+        """Use these speed options (``LingbotPipeline.set_speed`` keywords) from the next stage on; no reload."""
+        self.speed = self.speed.updated(**changes)
 
     def release(self) -> bool:
         """Free the weights now; the next stage loads them again. False when nothing was loaded."""

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 from diffusers.models.modeling_utils import ModelMixin
 
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
@@ -166,6 +167,8 @@ class Attention(nn.Module):
         self.norm_q = RMSNorm(head_dim, eps)
         self.norm_k = RMSNorm(head_dim, eps)
         self.to_out = Linear(dim, dim, bias=out_bias)
+        # The one attention dispatch point (diffusers' dispatcher); chosen per model, see lingbot_core.attention.
+        self.backend = AttentionBackendName.NATIVE
 
     def forward(self, a: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, s, _ = a.shape
@@ -174,8 +177,8 @@ class Attention(nn.Module):
         v = self.to_v(a, dtype).view(b, s, self.heads, -1)
         q = apply_rope(self.norm_q(q), freqs)
         k = apply_rope(self.norm_k(k), freqs)
-        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-        return self.to_out(o.transpose(1, 2).reshape(b, s, -1), dtype)
+        o = dispatch_attention_fn(q, k, v, backend=self.backend)  # (B, S, heads, head_dim) in and out
+        return self.to_out(o.reshape(b, s, -1), dtype)
 
 
 class SwiGLU(nn.Module):
@@ -356,6 +359,10 @@ class MoEFeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
+    """One DiT block. ``forward`` also takes lists of CFG branches (each a batch-1 ``x`` with its RoPE
+    table) and runs them one after the other while this block's weights are resident: one forward
+    call, so one firing of the offload hooks, for every branch (lockstep CFG)."""
+
     def __init__(self, dim: int, heads: int, eps: float, qkv_bias: bool, out_bias: bool, ffn: nn.Module):
         super().__init__()
         self.scale_shift_table = nn.Parameter(torch.zeros(1, 6 * dim))
@@ -365,16 +372,42 @@ class TransformerBlock(nn.Module):
         self.norm2 = RMSNorm(dim, eps)
         self.ffn = ffn
         self.norm_post_ffn = RMSNorm(dim, eps)
+        self.compute = BlockCompute()
 
-    def forward(self, x: torch.Tensor, temb6: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
-        mod = (temb6 + self.scale_shift_table.float())[:, None, :]  # fp32 (B, 1, 6D)
+    def forward(self, x, temb6: torch.Tensor, freqs, dtype: torch.dtype):
+        if isinstance(x, torch.Tensor):
+            return self.forward([x], temb6, [freqs], dtype)[0]
+        for h, f in zip(x, freqs):  # the sequence length changes with the prompt: no recompile for it
+            torch._dynamo.maybe_mark_dynamic(h, 1)
+            torch._dynamo.maybe_mark_dynamic(f, 0)
+        return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
+
+
+def _moe_ffn(ffn: nn.Module, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return ffn(f, dtype)
+
+
+# Expert routing sizes depend on the data (one host sync per call): traced, every step would recompile.
+_eager_moe_ffn = torch.compiler.disable(_moe_ffn)
+
+
+class BlockCompute(nn.Module):
+    """One branch through one block: the block's math, as a module without tensors of its own.
+
+    It is the unit ``torch.compile`` compiles (``_repeated_blocks``): the offload hooks sit on
+    :class:`TransformerBlock` (accelerate replaces its ``forward``), so compiling the block itself would
+    trace the hooks; this module is called inside the hooked forward and sees only tensors.
+    """
+
+    def forward(self, block: TransformerBlock, x: torch.Tensor, temb6: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
+        mod = (temb6 + block.scale_shift_table.float())[:, None, :]  # fp32 (B, 1, 6D)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.chunk(6, dim=-1)
-        a = (self.norm1(x) * (1 + scale_a) + shift_a).to(dtype)
-        o = self.attn(a, freqs, dtype)
-        x = x + (torch.tanh(gate_a) * self.norm_post_attn(o)).to(x.dtype)
-        f = (self.norm2(x) * (1 + scale_f) + shift_f).to(dtype)
-        y = self.ffn(f, dtype)
-        return x + (torch.tanh(gate_f) * self.norm_post_ffn(y)).to(x.dtype)
+        a = (block.norm1(x) * (1 + scale_a) + shift_a).to(dtype)
+        o = block.attn(a, freqs, dtype)
+        x = x + (torch.tanh(gate_a) * block.norm_post_attn(o)).to(x.dtype)
+        f = (block.norm2(x) * (1 + scale_f) + shift_f).to(dtype)
+        y = _eager_moe_ffn(block.ffn, f, dtype) if isinstance(block.ffn, MoEFeedForward) else block.ffn(f, dtype)
+        return x + (torch.tanh(gate_f) * block.norm_post_ffn(y)).to(x.dtype)
 
 
 # RoPE tables a model keeps (see LingBotVideoTransformer3DModel.rope_table).
@@ -386,6 +419,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     _supports_gradient_checkpointing = False
     _no_split_modules = ["TransformerBlock"]
+    _repeated_blocks = ["BlockCompute"]  # what compile_repeated_blocks compiles (lingbot_core.block_compile)
     _keep_in_fp32_modules = sorted(FP32_ISLANDS)
 
     @register_to_config
@@ -509,32 +543,60 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     # -- forward -----------------------------------------------------------------------------
 
-    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states: torch.Tensor):
+    def set_attention_backend(self, backend) -> None:
+        """Route every attention through diffusers backend ``backend`` (checked by lingbot_core.attention)."""
+        backend = AttentionBackendName(backend)
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.backend = backend
+
+    def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states, step_cache=None):
         """hidden_states (B, C, T, H, W) DiT-space latents; timestep (B,) in [0, 1000];
-        encoder_hidden_states (B, L, text_dim) valid text tokens only (no padding)."""
+        encoder_hidden_states (B, L, text_dim) valid text tokens only (no padding).
+
+        ``encoder_hidden_states`` may be a list of CFG branches (lockstep): every branch shares the
+        latent and timestep and is its own computation, block by block; a list of velocities is
+        returned. ``step_cache`` (a list with one entry per branch, see lingbot_core.step_cache) may
+        skip the block stack for a branch and reuse its cached residual.
+        """
         cfg = self.config
         dtype = self.compute_dtype
+        branched = isinstance(encoder_hidden_states, (list, tuple))
+        texts = list(encoder_hidden_states) if branched else [encoder_hidden_states]
+        caches = list(step_cache) if step_cache is not None else [None] * len(texts)
         b, c, t, h, w = hidden_states.shape
         pt, ph, pw = cfg.patch_size
         if t % pt or h % ph or w % pw:
             raise ValueError(f"latent (T, H, W) = {(t, h, w)} is not divisible by patch_size {list(cfg.patch_size)}.")
         grid = (t // pt, h // ph, w // pw)
         n_video = grid[0] * grid[1] * grid[2]
-        text_len = encoder_hidden_states.shape[1]
 
-        x = self.patch_embedder(patchify(hidden_states, cfg.patch_size), dtype)
-        u = self.text_embedder(encoder_hidden_states.to(dtype), dtype)
-        x = torch.cat([x, u], dim=1)
-
-        freqs = self.rope_table(grid, text_len, x.device)
+        video = self.patch_embedder(patchify(hidden_states, cfg.patch_size), dtype)
+        xs, freqs = [], []
+        for text in texts:
+            u = self.text_embedder(text.to(dtype), dtype)
+            xs.append(torch.cat([video, u], dim=1))
+            freqs.append(self.rope_table(grid, text.shape[1], video.device))
 
         t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
         temb6 = self.time_modulation[1](F.silu(t_emb), dtype).float()
 
-        for block in self.blocks:
-            x = block(x, temb6, freqs, dtype)
+        run = [i for i, cache in enumerate(caches) if cache is None or cache.should_compute(xs[i])]
+        ys = list(xs)
+        if run:
+            hs = [xs[i] for i in run]
+            fs = [freqs[i] for i in run]
+            for block in self.blocks:
+                hs = block(hs, temb6, fs, dtype)
+            for i, out in zip(run, hs):
+                ys[i] = out
+        for i, cache in enumerate(caches):
+            if cache is not None:
+                ys[i] = cache.store(xs[i], ys[i]) if i in run else cache.reuse(xs[i])
 
         shift, scale = self.norm_out_modulation[1](F.silu(t_emb), dtype).float()[:, None, :].chunk(2, dim=-1)
-        x = F.layer_norm(x[:, :n_video].float(), (x.shape[-1],), eps=cfg.norm_eps) * (1 + scale) + shift
-        out = self.proj_out(x, dtype)
-        return unpatchify(out, grid, cfg.out_channels, cfg.patch_size)
+        outs = []
+        for x in ys:
+            x = F.layer_norm(x[:, :n_video].float(), (x.shape[-1],), eps=cfg.norm_eps) * (1 + scale) + shift
+            outs.append(unpatchify(self.proj_out(x, dtype), grid, cfg.out_channels, cfg.patch_size))
+        return outs if branched else outs[0]

@@ -4,6 +4,7 @@ from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
+from .speed import LingbotSpeedOptions
 from .vae import LoadLingbotVAE
 
 NODE_CLASS_MAPPINGS = {
@@ -17,6 +18,7 @@ NODE_CLASS_MAPPINGS = {
     "LingbotRewritePrompt": LingbotRewritePrompt,
     "LingbotNegativePrompt": LingbotNegativePrompt,
     "LoadLingbotVAE": LoadLingbotVAE,
+    "LingbotSpeedOptions": LingbotSpeedOptions,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -30,5 +32,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
+    "LingbotSpeedOptions": "LingBot-Video Speed Options",
 }
 

@@ -19,7 +19,7 @@ TRANSFORMERS = ["transformer", "refiner"]
 
 
 def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                    blocks_on_gpu=0):
+                    blocks_on_gpu=0, speed_options=None):
     """The one place that turns the loader's widgets into a handle (new loader options go here).
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
@@ -39,7 +39,7 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         dtypes["text_encoder"] = text_encoder_precision
     return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
                               dtypes=dtypes, device=comfy_device(),
-                              blocks_on_gpu=blocks_on_gpu)
+                              blocks_on_gpu=blocks_on_gpu, speed=speed_options)
 
 
 def comfy_device():
@@ -88,14 +88,15 @@ class LoadLingbotPipeline:
             "optional": {
                 "blocks_on_gpu": ("INT", {"default": 0, "min": 0, "max": MAX_BLOCKS_ON_GPU,
                                   "tooltip": "offload 'block' only: DiT blocks kept on the GPU (the others are streamed). 0 = least VRAM; each block is about 0.1 GiB (dense, bf16) or 1.2 GiB (MoE, bf16)."}),
+                "speed_options": ("LINGBOT_SPEED", {"tooltip": "From 'LingBot-Video Speed Options': attention kernel, block compile, CFG lockstep. Unconnected = sdpa, no compile, lockstep on."}),
             },
             "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
         }
 
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-             blocks_on_gpu=0, prompt=None, unique_id=None):
+             blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None):
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                               blocks_on_gpu)
+                               blocks_on_gpu, speed_options)
         job = current_job()
         if job is not None and unique_id is not None:
             # Until these nodes have used it, the pipeline is not evicted to make room for another one.

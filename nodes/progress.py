@@ -31,4 +31,12 @@ def step_callback(node_id=None, total: int = 1):
             preview = previewer.decode_latent_to_preview_image("JPEG", x0[:, :, mid : mid + 1].float())
         bar.update_absolute(step + 1, steps, preview)
 
+    def status(text: str) -> None:  # e.g. the step cache's computed / skipped counts, shown under the node
+        from server import PromptServer
+
+        server = getattr(PromptServer, "instance", None)
+        if node_id is not None and server is not None and hasattr(server, "send_progress_text"):
+            server.send_progress_text(text, node_id)
+
+    callback.status = status
     return callback

@@ -58,12 +58,14 @@ class GenerateVideo:
                 "image_condition": ("LINGBOT_IMAGE_COND", {"tooltip": "First frame from EncodeImageVAE (image-to-video). Its size must match width x height."}),
                 "use_caption_duration": ("BOOLEAN", {"default": True, "tooltip": "When the prompt is a JSON caption with a duration, derive num_frames from it (as the reference runner)."}),
                 "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate used with a caption's duration."}),
+                "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                               "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
-                 image_condition=None, use_caption_duration=True, fps=24, unique_id=None):
+                 image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, unique_id=None):
         parsed = parse_prompt(prompt)
         for warning in parsed.warnings:
             logger.warning("GenerateVideo prompt: %s", warning)
@@ -72,7 +74,7 @@ class GenerateVideo:
         latents = pipe.generate(
             prompt, negative_prompt=negative_from_widget(negative_prompt), condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
-            output_type="latent", callback=step_callback(unique_id, steps),
+            output_type="latent", callback=step_callback(unique_id, steps), step_cache=step_cache,
         )
         return (pipe.decode(latents), _latent_output(pipe, latents))
 
@@ -110,17 +112,19 @@ class Refine:
             "optional": {
                 "first_frame": ("IMAGE", {"tooltip": "Image-to-video only: the original input image, re-pinned as the clean first frame."}),
                 "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate of the base video; faster videos are resampled to 24 fps."}),
+                "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
+                               "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def refine(self, pipe, frames, prompt, negative_prompt, width, height, steps, guidance_scale, shift, t_thresh,
-               tail_steps, seed, vae_tiling, first_frame=None, fps=24, unique_id=None):
+               tail_steps, seed, vae_tiling, first_frame=None, fps=24, step_cache=0.0, unique_id=None):
         free_comfy_models()
         out = pipe.refine(
             frames, prompt, negative_prompt=negative_from_widget(negative_prompt),
             first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
             guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
-            fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id),
+            fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id), step_cache=step_cache,
         )
         return (out,)

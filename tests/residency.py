@@ -13,6 +13,9 @@ neither can show an offload bug. The tracker instead instruments accelerate's ow
   with the resident blocks, or one streamed block) is on the device from its onload to its offload.
   Which blocks a unit holds is read from the tensors it moves, not from the streamer's bookkeeping.
 
+``bytes_moved`` counts the weight bytes copied to the device (sequential streaming, block onloads,
+model-offload onloads of a component that was not resident): the traffic a step costs.
+
 Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
 computes, which also sees calls that bypass a top-level hook. Under sequential offload a probe fires
 before its module's weights stream in, so each streaming step also takes a ``"stream"`` snapshot.
@@ -48,6 +51,7 @@ class ResidencyTracker:
         self.snapshots = []  # (probe, frozenset of resident components)
         self.peak_bytes = 0
         self.pre_forward_calls = defaultdict(int)
+        self.bytes_moved = 0
         self._stack = ExitStack()
         self._component_bytes = {name: _nbytes(m, True) for name, m in self.components.items()}
         # offload "block": units on the device (id -> (bytes, block indices held)), and per-block probes
@@ -93,6 +97,8 @@ class ResidencyTracker:
                 tracker.resident.discard(prev_name)
                 tracker.events.append(("offload_prev", prev_name))
             if name is not None:
+                if name not in tracker.resident:
+                    tracker.bytes_moved += tracker._component_bytes[name]
                 tracker.resident.add(name)
                 tracker.pre_forward_calls[name] += 1
                 tracker.events.append(("onload", name))
@@ -111,6 +117,7 @@ class ResidencyTracker:
                 name = tracker.owner.get(id(module))
                 if name is not None:
                     tracker.streamed[name] += _nbytes(module, hook.place_submodules)
+                    tracker.bytes_moved += _nbytes(module, hook.place_submodules)
                     tracker._update_peak()
                     tracker._snap("stream")  # probes fire before a module streams in; this sees it loaded
             return orig_align_pre(hook, module, *args, **kwargs)
@@ -127,6 +134,8 @@ class ResidencyTracker:
         def unit_onload(unit, device, stream=None):
             blocks = {tracker._block_of[id(m)] for m, *_ in unit.slots if id(m) in tracker._block_of}
             nbytes = sum(t.numel() * t.element_size() for *_, t in unit.slots)
+            if not unit.on_device:
+                tracker.bytes_moved += nbytes
             tracker.units[id(unit)] = (nbytes, blocks)
             tracker.events.append(("unit_onload", unit.label))
             tracker.max_blocks_resident = max(tracker.max_blocks_resident, len(tracker.blocks_resident()))

@@ -46,6 +46,11 @@ def cli_runs(packages, test_image, tmp_path_factory):
         "json": ["--mode", "t2v", "--prompt_json", str(prompt_json), "--num_frames", "5",
                  "--output", str(out / "json.mp4")],
         "bad_frames": ["--mode", "t2v", "--prompt", "a cat", "--num_frames", "6", "--output", str(out / "bad.mp4")],
+        # Speed flags (later --steps wins): a step cache that skips, sequential CFG; a GPU-only kernel on the CPU.
+        "speed": ["--mode", "t2v", "--prompt", "a cat", "--num_frames", "5", "--steps", "10", "--step_cache", "0.5",
+                  "--no_cfg_lockstep", "--output", str(out / "speed.mp4")],
+        "flash_cpu": ["--mode", "t2v", "--prompt", "a cat", "--num_frames", "5", "--attention", "flash_attn",
+                      "--output", str(out / "flash.mp4")],
     }
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
                TOKENIZERS_PARALLELISM="false")
@@ -130,3 +135,12 @@ def test_cli_prompt_json_bad_duration_is_a_clean_error(tmp_path, capsys):
     rc = main(["generate", "--model_dir", str(tmp_path / "no-model"), "--prompt_json", str(prompt)])
     assert rc == 2
     assert "duration" in capsys.readouterr().err
+
+
+def test_cli_speed_flags(cli_runs):
+    out, result = cli_runs
+    _ok(result, "speed")
+    rc, _, stderr = result("speed")
+    assert "of 20 DiT forwards computed" in stderr and (out / "speed.mp4").is_file()
+    rc, _, stderr = result("flash_cpu")
+    assert rc == 2 and "attention='flash_attn' runs on CUDA GPUs only" in stderr

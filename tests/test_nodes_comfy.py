@@ -39,6 +39,7 @@ from comfy_host import (
     preview_events,
     progress_events,
     workflow_to_api,
+    ws_events,
 )
 
 comfy = pytest.mark.comfy
@@ -50,7 +51,7 @@ WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
 PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
               "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
-              "LingbotNegativePrompt")
+              "LingbotNegativePrompt", "LingbotSpeedOptions")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.
@@ -543,6 +544,27 @@ def test_progress_per_step_and_latent_previews(server):
         assert p.get("node_id") in (None, "2")
         with Image.open(io.BytesIO(p["image"])) as img:
             assert img.format == "JPEG" and img.width > 0
+
+
+@comfy
+def test_speed_options_and_step_cache(server):
+    """Speed Options feed the loader (no reload, same frames with lockstep off); a step cache on
+    GenerateVideo skips DiT forwards and says how many under the node."""
+    steps = 12
+    plain = server.run(t2v_graph(DENSE, "speed_plain", seed=61, steps=steps))
+    frames = saved_frames(server, plain, "3")
+    graph = t2v_graph(DENSE, "speed_opts", seed=61, steps=steps)
+    graph["4"] = {"class_type": "LingbotSpeedOptions",
+                  "inputs": {"attention": "sdpa", "compile_blocks": False, "cfg_lockstep": False}}
+    graph["1"]["inputs"]["speed_options"] = ["4", 0]
+    assert np.array_equal(saved_frames(server, server.run(graph), "3"), frames)
+    graph["2"]["inputs"]["step_cache"] = 0.5
+    graph["3"]["inputs"]["filename_prefix"] = "speed_cached"
+    entry = server.run(graph)
+    texts = [e["data"]["text"] for e in ws_events(entry, "binary") if e.get("event") == 3 and e["data"].get("node_id") == "2"]
+    assert len(texts) == steps and "skipped" in texts[-1], texts[-3:]
+    skipped = int(texts[-1].split(", ")[-1].split()[0])
+    assert skipped > 0 and not np.array_equal(saved_frames(server, entry, "3"), frames)
 
 
 # --------------------------------------------------------------------------------------------

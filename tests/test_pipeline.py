@@ -68,7 +68,9 @@ def _capture_denoise(monkeypatch, pipe):
 
 def _count_dit_calls(pipe):
     calls = []
-    handle = pipe.transformer.register_forward_pre_hook(lambda m, a: calls.append(a[2].shape[1]))
+    # Text lengths of the DiT's branches in call order (a lockstep call passes both as a list).
+    handle = pipe.transformer.register_forward_pre_hook(
+        lambda m, a: calls.extend(t.shape[1] for t in (a[2] if isinstance(a[2], list) else [a[2]])))
     return calls, handle
 
 

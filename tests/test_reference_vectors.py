@@ -63,14 +63,18 @@ class DitCall(NamedTuple):
 @pytest.fixture(scope="module")
 def scenario_runs(pipe):
     """Each scenario generated once with the reference's settings; the DiT's raw inputs and outputs
-    are recorded with a forward hook (calls alternate cond, uncond)."""
+    are recorded with a forward hook (branches alternate cond, uncond)."""
     cache = {}
 
     def run(name):
         if name not in cache:
             calls = []
-            hook = pipe.transformer.register_forward_hook(
-                lambda m, args, out: calls.append(DitCall(args[0].clone(), args[1].clone(), args[2].shape[1], out.clone())))
+
+            def record(m, args, out):  # a lockstep call carries both branches: lists of texts and outputs
+                texts, outs = (args[2], out) if isinstance(out, list) else ([args[2]], [out])
+                calls.extend(DitCall(args[0].clone(), args[1].clone(), t.shape[1], o.clone()) for t, o in zip(texts, outs))
+
+            hook = pipe.transformer.register_forward_hook(record)
             try:
                 image = first_frame() if name == "ti2v" else None
                 latent = pipe.generate(PROMPT, image=image, num_frames=SCENARIOS[name], output_type="latent", **RUN)
@@ -98,7 +102,7 @@ def test_scenario_frames_and_final_latent(scenario_runs, name):
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario_dit_inputs_and_velocities(scenario_runs, name):
     ref, calls = vectors(name), scenario_runs(name)["calls"]
-    assert len(calls) == 2 * len(ref["dit_timesteps"])  # sequential CFG: cond then uncond per step
+    assert len(calls) == 2 * len(ref["dit_timesteps"])  # CFG: cond then uncond per step
     cond, uncond = calls[0::2], calls[1::2]
     assert_matches(torch.cat([c.latent for c in cond]), ref["step_latents"], f"{name} step_latents")
     for c, u in zip(cond, uncond):  # both passes of a step see the same latent and timestep
@@ -168,7 +172,7 @@ def test_vae_encode_convention(pipe):
 
 DIT_MODULES = {  # reference activation name -> the pack module whose output it is
     "patch_embedder": "patch_embedder", "text_embedder": "text_embedder", "time_embedder": "time_embedder",
-    "time_modulation": "time_modulation.1", "blocks.0": "blocks.0", "blocks.1": "blocks.1",
+    "time_modulation": "time_modulation.1", "blocks.0": "blocks.0.compute", "blocks.1": "blocks.1.compute",  # one branch through a block
     "norm_out_modulation": "norm_out_modulation.1", "proj_out": "proj_out",
 }
 
@@ -183,7 +187,7 @@ def test_dit_forward_and_activations(pipe):
     modules = dict(dit.named_modules())
     for name, module in DIT_MODULES.items():
         handles.append(modules[module].register_forward_hook(lambda m, a, o, name=name: acts.setdefault(name, o.clone())))
-    handles.append(dit.blocks[0].register_forward_pre_hook(lambda m, a: acts.update(rope=a[2].clone())))
+    handles.append(dit.blocks[0].compute.register_forward_pre_hook(lambda m, a: acts.update(rope=a[3].clone())))
     try:
         with torch.no_grad():
             video = dit(torch.from_numpy(ref["in.latent_video"]), t, text)

@@ -180,7 +180,9 @@ class ConstantVelocity:
         self.compute_dtype = dtype
         self.calls = []  # (timestep list, text tensor)
 
-    def __call__(self, x, t, text):
+    def __call__(self, x, t, text, step_cache=None):
+        if isinstance(text, list):  # both CFG branches in one call (lockstep)
+            return [self(x, t, branch) for branch in text]
         assert x.shape == self.v.shape
         self.calls.append((t.tolist(), text))
         return self.v.to(self.compute_dtype)
@@ -211,7 +213,9 @@ def test_cfg_calls_cond_then_uncond_and_combines():
     class TwoVelocities:
         compute_dtype = torch.float32
 
-        def __call__(self, x, t, text):
+        def __call__(self, x, t, text, step_cache=None):
+            if isinstance(text, list):  # both CFG branches in one call (lockstep)
+                return [self(x, t, branch) for branch in text]
             calls.append((t.tolist(), text))
             return v_c if text is pos else v_u
 
