@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -22,6 +23,7 @@ from .latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
+from .lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
 from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
@@ -108,6 +110,8 @@ class LingbotPipeline:
         self.normalizer = LatentNormalizer(vae.config.latents_mean, vae.config.latents_std)
         self.crop_start = template_crop_start(processor)
         self._prompt_cache: "OrderedDict[tuple, PromptEmbeds]" = OrderedDict()
+        self._loras: Optional[LoraStack] = ()  # None: a change failed part-way (the next set_loras repairs it)
+        self._merged: set = set()  # DiT parameter keys holding LoRA-merged weights
         self.offloader = Offloader(
             {"text_encoder": text_encoder, "transformer": transformer, "vae": vae},
             preload={
@@ -156,6 +160,45 @@ class LingbotPipeline:
         if blocks_on_gpu is not None:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
+
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    @property
+    def loras(self) -> LoraStack:
+        """The LoRA stack applied to the DiT: ``((path, strength), ...)``."""
+        return self._loras
+
+    def set_loras(self, loras) -> None:
+        """Make the DiT's LoRA set exactly ``loras`` (``[(path, strength), ...]``; ``[]`` removes every LoRA).
+
+        The files are read and checked first; an error there leaves the pipeline as it was. Touched
+        weights are merged from their checkpoint values (read again from the package when a LoRA was
+        merged before), so changes never drift and ``[]`` restores the loaded weights bit for bit;
+        fp8 weights get run-time adapters instead (see :mod:`lingbot_core.lora`).
+        """
+        self._require_loaded()
+        stack = normalize_stack(loras)
+        if stack == self._loras:
+            return
+        loaded = read_stack(stack, lora_targets(self.transformer))
+        mode, device = self.offloader.mode, self.offloader.device
+        self.offloader.remove_hooks()  # weights are replaced on their home device, then re-hooked
+        self._loras = None
+        try:
+            report = apply_stack(self.transformer, loaded, self._merged, self._checkpoint_tensor)
+            self._loras = stack
+        finally:
+            self.offloader.apply(mode, device)
+            trim_heap()  # the replaced weights' pages
+        logger.info("LingBot-Video: %s DiT LoRA: %s (%d weights merged, %d restored, %d fp8 layers with run-time adapters).",
+                    self.transformer_subfolder, describe_stack(stack), report.merged, report.restored, report.run_time)
+
+    def _checkpoint_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        from .loading import checkpoint_tensor
+
+        if self.model_dir is None:
+            raise RuntimeError("this pipeline was not loaded from a package; its original weights cannot be restored.")
+        return checkpoint_tensor(Path(self.model_dir) / self.transformer_subfolder, self.transformer_subfolder, key, dtype)
 
     def release(self) -> None:
         """Remove hooks and drop every component; the pipeline is unusable afterwards."""
