@@ -295,3 +295,116 @@ def test_damaged_files_fail_and_leave_the_pipeline_usable(packages, tmp_path):
     finally:
         pipe.release()
     assert torch.equal(got, want)
+
+
+# -- handles: the pool makes the shared pipeline's LoRA set equal to the handle's ------------------
+
+
+def test_lora_handles_share_one_pipeline_and_each_gets_its_own_stack(packages, tmp_path):
+    from lingbot_core import PipelinePool
+
+    lora, _ = lightx2v_lora(tmp_path / "l.safetensors")
+    pool = PipelinePool(headroom=0)
+    base = pool.handle(packages["moe"], offload="model", device="cpu")
+    strong = base.with_lora(lora, 1.0)
+    weak = base.with_lora(lora, 0.3)
+    assert pool.loaded() == () and strong.loras == ((str(lora), 1.0),) and base.loras == ()
+    assert "l.safetensors @ 1" in repr(strong)
+    try:
+        plain = base.generate(PROMPT, **RUN, output_type="latent")
+        a = strong.generate(PROMPT, **RUN, output_type="latent")
+        b = weak.generate(PROMPT, **RUN, output_type="latent")
+        a2 = strong.generate(PROMPT, **RUN, output_type="latent")
+        plain2 = base.generate(PROMPT, **RUN, output_type="latent")
+        assert len(pool.loaded()) == 1
+    finally:
+        base.release()
+    direct = load_pipeline(packages["moe"], device="cpu", loras=[(lora, 0.3)])
+    try:
+        want_b = direct.generate(PROMPT, **RUN, output_type="latent")
+    finally:
+        direct.release()
+    assert torch.equal(a, a2) and torch.equal(plain, plain2) and torch.equal(b, want_b)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_with_lora_checks_the_file_without_reading_weights(packages, tmp_path):
+    from lingbot_core import PipelinePool
+
+    path = tmp_path / "wan.safetensors"
+    save_file({"blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 64),
+               "blocks.0.self_attn.q.lora_up.weight": torch.zeros(64, 2)}, str(path))
+    pool = PipelinePool(headroom=0)
+    base = pool.handle(packages["dense"], device="cpu")
+    with pytest.raises(LoraError, match="Wan 2.1"):
+        base.with_lora(path, 1.0)
+    with pytest.raises(ValueError, match="strength"):
+        base.with_lora(path, float("nan"))
+    assert pool.loaded() == ()
+
+
+# -- fp8 storage: run-time adapters ----------------------------------------------------------------
+
+
+def test_fp8_dit_gets_run_time_adapters_close_to_the_fp32_merge(packages, tmp_path):
+    lora, deltas = lightx2v_lora(tmp_path / "l.safetensors")
+    pipe = load_pipeline(packages["moe"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    try:
+        to_q = pipe.transformer.blocks[0].attn.to_q
+        w = to_q.weight.detach().clone()
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        before = to_q(x, torch.bfloat16).float()
+        pipe.set_loras([(lora, 0.8)])
+        assert torch.equal(to_q.weight, w)  # fp8 weights are never rewritten
+        assert to_q.lora_down is not None and to_q.lora_down.dtype == torch.bfloat16
+        after = to_q(x, torch.bfloat16).float()
+        down, up, _ = deltas["blocks.0.attn.to_q"]
+        w32 = load_file(str(packages["moe"] / "transformer" / "diffusion_pytorch_model.safetensors"))["blocks.0.attn.to_q.weight"]
+        exact = x.float() @ (w32 + 0.8 * (up @ down)).t()
+        err = (after - exact).norm() / exact.norm()
+        fp8_alone = (before - x.float() @ w32.t()).norm() / (x.float() @ w32.t()).norm()
+        assert err < 2 * fp8_alone + 1e-2  # the LoRA adds no more than bf16 rounding to fp8's own error
+        lat = pipe.generate(PROMPT, **RUN, output_type="latent")
+        pipe.set_loras([])
+        assert to_q.lora_down is None
+    finally:
+        pipe.release()
+    assert torch.isfinite(lat).all()
+
+
+# -- other formats ---------------------------------------------------------------------------------
+
+
+def test_diff_loha_and_lokr_match_their_formulas(packages, tmp_path):
+    gen = torch.Generator().manual_seed(4)
+    r = lambda *s: torch.randn(*s, generator=gen) * 0.1  # noqa: E731
+    t = {
+        "transformer.blocks.0.attn.to_out.diff": r(64, 64), "transformer.blocks.0.attn.to_out.diff_b": r(64),
+        "lora_unet_blocks_1_attn_to_k.hada_w1_a": r(64, 3), "lora_unet_blocks_1_attn_to_k.hada_w1_b": r(3, 64),
+        "lora_unet_blocks_1_attn_to_k.hada_w2_a": r(64, 3), "lora_unet_blocks_1_attn_to_k.hada_w2_b": r(3, 64),
+        "lora_unet_blocks_1_attn_to_k.alpha": torch.tensor(1.5),
+        "model.diffusion_model.blocks.0.ffn.up_proj.lokr_w1": r(4, 8),
+        "model.diffusion_model.blocks.0.ffn.up_proj.lokr_w2_a": r(32, 2),
+        "model.diffusion_model.blocks.0.ffn.up_proj.lokr_w2_b": r(2, 8),
+        "model.diffusion_model.blocks.0.ffn.up_proj.alpha": torch.tensor(4.0),
+    }
+    path = tmp_path / "mixed.safetensors"
+    save_file(t, str(path))
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    try:
+        m = pipe.transformer
+        w_out, b_out = m.blocks[0].attn.to_out.weight.detach().clone(), m.blocks[0].attn.to_out.bias.detach().clone()
+        w_k, w_up = m.blocks[1].attn.to_k.weight.detach().clone(), m.blocks[0].ffn.up_proj.weight.detach().clone()
+        pipe.set_loras([(path, 0.5)])
+        torch.testing.assert_close(m.blocks[0].attn.to_out.weight, w_out + 0.5 * t["transformer.blocks.0.attn.to_out.diff"], rtol=0, atol=1e-7)
+        torch.testing.assert_close(m.blocks[0].attn.to_out.bias, b_out + 0.5 * t["transformer.blocks.0.attn.to_out.diff_b"], rtol=0, atol=1e-7)
+        p = "lora_unet_blocks_1_attn_to_k."
+        loha = (t[p + "hada_w1_a"] @ t[p + "hada_w1_b"]) * (t[p + "hada_w2_a"] @ t[p + "hada_w2_b"])
+        torch.testing.assert_close(m.blocks[1].attn.to_k.weight, w_k + 0.5 * (1.5 / 3) * loha, rtol=0, atol=1e-7)
+        p = "model.diffusion_model.blocks.0.ffn.up_proj."
+        lokr = torch.kron(t[p + "lokr_w1"], t[p + "lokr_w2_a"] @ t[p + "lokr_w2_b"])
+        torch.testing.assert_close(m.blocks[0].ffn.up_proj.weight, w_up + 0.5 * (4.0 / 2) * lokr, rtol=0, atol=1e-7)
+        pipe.set_loras([])
+        assert torch.equal(m.blocks[0].attn.to_out.bias, b_out) and torch.equal(m.blocks[1].attn.to_k.weight, w_k)
+    finally:
+        pipe.release()
