@@ -28,7 +28,7 @@ from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
-from .scheduling import refiner_sigmas, shifted_sigmas
+from .scheduling import check_sampler, check_sigmas, refiner_sigmas, shifted_sigmas
 from .text_conditioning import (
     PromptEmbeds, encode_text, parse_prompt, resolve_negative, template_crop_start, vlm_image,
 )
@@ -271,13 +271,15 @@ class LingbotPipeline:
     @torch.no_grad()
     def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
-                callback: Optional[StepCallback] = None) -> torch.Tensor:
-        """Run the UniPC sampler from ``latents`` (DiT space) through ``sigmas``; returns the final latent (CPU).
+                callback: Optional[StepCallback] = None, sampler: str = "unipc") -> torch.Tensor:
+        """Run the sampler (``unipc`` or ``euler``) from ``latents`` (DiT space) through ``sigmas``; returns
+        the final latent (CPU).
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
+        check_sampler(sampler)
         with self.offloader.stage():
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
@@ -285,7 +287,7 @@ class LingbotPipeline:
             x = sample(
                 self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
                 negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
-                scheduler_config=self.scheduler_config, callback=callback,
+                scheduler_config=self.scheduler_config, callback=callback, sampler=sampler,
             )
             return x.to("cpu")
 
@@ -301,9 +303,13 @@ class LingbotPipeline:
     def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None,
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
-                 condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None):
+                 condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
+                 sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
         """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
 
+        ``sampler`` is ``unipc`` (the reference) or ``euler`` (flow Euler). ``sigmas`` (optional) is an
+        explicit strictly decreasing list ending above 0 that replaces the ``steps`` / ``shift`` grid
+        (a final 0 is appended), for distilled students trained on a fixed list.
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
         """
         self._require_loaded()
@@ -311,7 +317,8 @@ class LingbotPipeline:
             raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
         check_video_size(num_frames, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
-        sigmas = shifted_sigmas(steps, float(shift))
+        sigmas = shifted_sigmas(steps, float(shift)) if sigmas is None else check_sigmas(sigmas)
+        check_sampler(sampler)
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
@@ -325,7 +332,8 @@ class LingbotPipeline:
         if condition is not None:
             cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
         noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
-        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
+                               callback=callback, sampler=sampler)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)
@@ -335,9 +343,12 @@ class LingbotPipeline:
                shift: float = 3.0, t_thresh: float = 0.85, tail_steps: int = 2, seed: int = 42,
                fps: float = 24.0, max_frames: Optional[int] = None, vae_tiling: bool = True,
                tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE,
-               output_type: str = "np", callback: Optional[StepCallback] = None):
+               output_type: str = "np", callback: Optional[StepCallback] = None,
+               sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
         """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
 
+        ``sampler`` / ``sigmas`` as in :meth:`generate`; explicit ``sigmas`` replace the cut grid and the
+        video is re-noised to their first value (instead of ``t_thresh``).
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
         ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
         """
@@ -353,7 +364,12 @@ class LingbotPipeline:
             raise ValueError("frames contain NaN or infinite values.")
         check_video_size(1, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
-        sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
+        if sigmas is None:
+            sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
+        else:
+            sigmas = check_sigmas(sigmas)
+            t_thresh = float(sigmas[0])
+        check_sampler(sampler)
         base_h, base_w = int(video.shape[1]), int(video.shape[2])
 
         _check_output_type(output_type)
@@ -375,7 +391,8 @@ class LingbotPipeline:
 
         embeds = self.encode_prompt(prompt, negative_prompt, guidance_scale=guidance_scale,
                                     num_frames=video.shape[0], null_negative=negative_prompt is None)
-        latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent, callback=callback)
+        latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
+                               callback=callback, sampler=sampler)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)

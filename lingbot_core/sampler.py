@@ -1,4 +1,4 @@
-"""The sampling loop: UniPC-bh2 over a given sigma list with sequential classifier-free guidance."""
+"""The sampling loop: UniPC-bh2 (or flow Euler) over a given sigma list with sequential classifier-free guidance."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .scheduling import make_scheduler, model_timestep
+from .scheduling import make_sampler, model_timestep
 
 # (step index, number of steps, current x0 estimate in DiT space). May raise to cancel the run.
 StepCallback = Callable[[int, int, torch.Tensor], None]
@@ -24,17 +24,19 @@ def sample(
     condition_latent: Optional[torch.Tensor] = None,
     scheduler_config: Optional[dict] = None,
     callback: Optional[StepCallback] = None,
+    sampler: str = "unipc",
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
     Guidance is ``v_u + g (v_c - v_u)`` in fp32 with two batch-1 forwards per step, cond first. The DiT
     receives the reference's rounded timestep for its dtype; the solver uses the exact fp32 sigmas.
     ``condition_latent`` is written into latent frame 0 before the first step and after every step.
+    ``sampler`` is ``unipc`` (the reference) or ``euler`` (flow Euler, :class:`FlowEulerScheduler`).
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
         raise ValueError("guidance_scale > 1 needs a negative embedding; encode the prompt with the same guidance_scale.")
-    scheduler = make_scheduler(sigmas, scheduler_config)
+    scheduler = make_sampler(sampler, sigmas, scheduler_config)
     dtype = transformer.compute_dtype
     x = latents.clone()
     if condition_latent is not None:
