@@ -2,6 +2,7 @@
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
+from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
 from .vae import LoadLingbotVAE
@@ -17,6 +18,7 @@ NODE_CLASS_MAPPINGS = {
     "LingbotRewritePrompt": LingbotRewritePrompt,
     "LingbotNegativePrompt": LingbotNegativePrompt,
     "LoadLingbotVAE": LoadLingbotVAE,
+    "LoadLingbotLoRA": LoadLingbotLoRA,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -30,5 +32,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
+    "LoadLingbotLoRA": "LingBot-Video Load LoRA",
 }
 

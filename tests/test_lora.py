@@ -408,3 +408,22 @@ def test_diff_loha_and_lokr_match_their_formulas(packages, tmp_path):
         assert torch.equal(m.blocks[0].attn.to_out.bias, b_out) and torch.equal(m.blocks[1].attn.to_k.weight, w_k)
     finally:
         pipe.release()
+
+
+def test_cli_takes_lora_arguments_and_reports_a_wrong_file(packages, tmp_path, capsys, caplog):
+    from lingbot_core.cli import main
+
+    lora, _ = lightx2v_lora(tmp_path / "four_step.safetensors")
+    wan = tmp_path / "wan.safetensors"
+    save_file({"blocks.0.self_attn.q.lora_down.weight": torch.zeros(2, 64),
+               "blocks.0.self_attn.q.lora_up.weight": torch.zeros(64, 2)}, str(wan))
+    common = ["generate", "--model_dir", str(packages["moe"]), "--prompt", "a cat", "--height", "64", "--width", "96",
+              "--num_frames", "5", "--device", "cpu", "--guidance_scale", "1"]
+    with caplog.at_level(logging.INFO, logger="lingbot_core"):
+        rc = main([*common, "--lora", f"{lora}:0.8", "--sampler", "euler", "--sigmas", "1.0,0.9,0.75,0.5",
+                   "--output", str(tmp_path / "out.mp4")])
+    assert rc == 0 and (tmp_path / "out.mp4").stat().st_size > 0
+    assert "four_step.safetensors @ 0.8" in caplog.text
+    rc = main([*common, "--lora", str(wan), "--output", str(tmp_path / "bad.mp4")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "wan.safetensors" in err and "Wan 2.1" in err and not (tmp_path / "bad.mp4").exists()
