@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from comfy_host import PromptValidationError, execution_error, workflow_to_api
+from comfy_host import PromptValidationError, workflow_to_api
 from test_lora import lightx2v_lora
 from test_nodes_comfy import (
     FRAMES, H, MOE, SHORT_CAPTION, W, check_ui_format, decode_video, generate, load_workflow, loader, node_files,
