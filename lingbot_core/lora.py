@@ -458,7 +458,7 @@ class ApplyReport:
     adapter_bytes: int = 0
 
 
-def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, original) -> ApplyReport:
+def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, original, compute_device=None) -> ApplyReport:
     """Make the model's LoRA state exactly ``stack``.
 
     Linears stored in bf16/fp16/fp32 get merged weights ``(W.float() + delta).to(W.dtype)``, where W
@@ -467,6 +467,8 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
     loaded tensor bit for bit). fp8-stored Linears keep their weights and get run-time adapters in bf16.
     ``merged`` (the parameter keys currently merged) is updated as each weight is written, so an
     error part-way (a package file that vanished) leaves it true for the next call to repair.
+    ``compute_device`` (e.g. the CUDA execution device) forms the deltas and merged weights there, one
+    weight at a time, and puts the result back on the weight's home device.
     The model must be unhooked (weights on their home device); the caller re-installs offload.
     """
     from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
@@ -488,7 +490,8 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
         keys = [f"{name}.{leaf}" for leaf in ("weight", "bias") if getattr(module, leaf) is not None]
         if name not in touched and not any(k in merged for k in keys):
             continue
-        dw, db = weight_delta(name, stack, device) if name in touched else (None, None)
+        work = device if compute_device is None else torch.device(compute_device)
+        dw, db = weight_delta(name, stack, work) if name in touched else (None, None)
         for key, delta in zip(keys, (dw, db)):
             leaf = key.rsplit(".", 1)[1]
             param = getattr(module, leaf)
@@ -500,7 +503,7 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
                 merged.discard(key)
                 report.restored += 1
             else:
-                param.data = (base.to(device).float() + delta).to(param.dtype)
+                param.data = (base.to(work).float() + delta).to(param.dtype).to(device)
                 merged.add(key)
                 report.merged += 1
     return report

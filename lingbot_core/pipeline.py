@@ -185,7 +185,9 @@ class LingbotPipeline:
         self.offloader.remove_hooks()  # weights are replaced on their home device, then re-hooked
         self._loras = None
         try:
-            report = apply_stack(self.transformer, loaded, self._merged, self._checkpoint_tensor)
+            # On an accelerator the fp32 deltas are formed there (one weight at a time), not on the CPU.
+            work = device if device.type != "cpu" else None
+            report = apply_stack(self.transformer, loaded, self._merged, self._checkpoint_tensor, work)
             self._loras = stack
         finally:
             self.offloader.apply(mode, device)
