@@ -459,3 +459,19 @@ def test_fp8_run_time_adapters_give_the_same_frames_in_every_offload_mode(packag
     finally:
         fresh.release()
     assert (plain - want).abs().max() > 1e-3
+
+
+def test_refiner_pipeline_takes_a_lora_and_restores_from_its_own_checkpoint(packages, tmp_path):
+    lora, deltas = lightx2v_lora(tmp_path / "l.safetensors")
+    pipe = load_pipeline(packages["moe"], transformer_subfolder="refiner", device="cpu")
+    try:
+        file = packages["moe"] / "refiner" / "diffusion_pytorch_model.safetensors"
+        w = load_file(str(file))["blocks.1.ffn.shared_experts.down_proj.weight"]
+        pipe.set_loras([(lora, 0.3)])
+        pipe.set_loras([(lora, 0.7)])  # merged from the refiner's checkpoint value, not the 0.3 weight
+        down, up, _ = deltas["blocks.1.ffn.shared_experts.down_proj"]
+        assert torch.equal(pipe.transformer.blocks[1].ffn.shared_experts.down_proj.weight, w + 0.7 * (up @ down))
+        pipe.set_loras([])
+        assert torch.equal(pipe.transformer.blocks[1].ffn.shared_experts.down_proj.weight, w)
+    finally:
+        pipe.release()
