@@ -23,7 +23,9 @@ BUCKETS = {
 def build_parser() -> argparse.ArgumentParser:
     from .attention import ATTENTION_CHOICES
     from .loading import DIT_DTYPES
+    from .lora import parse_lora_arg
     from .offload import OFFLOAD_MODES
+    from .scheduling import SAMPLERS, parse_sigmas
 
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -59,6 +61,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run the CFG branches one full forward after the other (default: block by block, same frames)")
     g.add_argument("--step_cache", type=float, default=0.0,
                    help="step cache threshold (EasyCache rule; 0 = off, 0.05 default of the paper, ~0.1 = 2x fewer DiT runs)")
+    g.add_argument("--lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
+                   help="a .safetensors LoRA for the base DiT (repeatable; strength 1 by default), e.g. the "
+                        "four-step LoRA with --steps 4 --guidance_scale 1")
+    g.add_argument("--sampler", choices=list(SAMPLERS), default="unipc",
+                   help="unipc (reference) or euler (flow Euler, for distilled models)")
+    g.add_argument("--sigmas", default=None, type=parse_sigmas,
+                   help="explicit decreasing sigma list replacing --steps/--shift, e.g. '1.0,0.9,0.75,0.5'")
     g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")
     g.add_argument("--refiner_output", default=None, help="mp4 path of the refined video")
     g.add_argument("--refiner_height", type=int, default=1088)
@@ -67,6 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--refiner_t_thresh", type=float, default=0.85)
     g.add_argument("--refiner_sigma_tail_steps", type=int, default=2)
     g.add_argument("--refiner_max_video_frames", type=int, default=None)
+    g.add_argument("--refiner_lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
+                   help="a .safetensors LoRA for the refiner DiT (repeatable)")
     r = sub.add_parser("rewrite", help="prose -> structured JSON caption (prompt.json) through a chat server")
     r.add_argument("--prompt", required=True, help="the prose prompt")
     r.add_argument("--mode", choices=["t2v", "ti2v", "t2i"], default="t2v")
@@ -152,10 +163,11 @@ def generate(args) -> int:
 
     dit = dict(blocks_on_gpu=args.blocks_on_gpu, dtypes={"transformer": args.dit_precision} if args.dit_precision else None,
                attention=args.attention, compile_blocks=args.compile_blocks, cfg_lockstep=not args.no_cfg_lockstep)
-    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, **dit)
+    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, loras=args.lora, **dit)
     frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
-                           shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache)
+                           shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
+                           sampler=args.sampler, sigmas=args.sigmas)
     if num_frames == 1:
         out = write_png(frames[0], Path(args.output).with_suffix(".png"))
     else:
@@ -163,7 +175,8 @@ def generate(args) -> int:
     print(out)
     if args.run_refiner and num_frames > 1:
         pipe.release()  # the refiner pipeline needs its own components; free the base first
-        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device, **dit)
+        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
+                                loras=args.refiner_lora, **dit)
         refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
                                  steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
                                  t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,

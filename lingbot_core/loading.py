@@ -162,6 +162,28 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
     return model.eval().requires_grad_(False)
 
 
+def checkpoint_tensor(folder: Path, name: str, key: str, dtype: torch.dtype) -> torch.Tensor:
+    """One DiT tensor as :func:`load_transformer` produced it for a non-fp8 ``dtype`` (memory-mapped
+    when no conversion is needed): LoRA changes restore merged weights from it."""
+    from safetensors import SafetensorError
+
+    try:
+        for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
+            reader = SafetensorsReader(path)
+            if key not in reader.keys():
+                continue
+            tensor = reader.get(key)
+            scale = None
+            if scale_name(key) in reader.keys():
+                scale = checkpoint_scale(key, reader.get(scale_name(key)), reader.shape(key))
+            if scale is not None or is_fp8(tensor.dtype):
+                return dequantize(tensor, scale, dtype)
+            return tensor.to(dtype)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ModelPackageError(f"{name}: could not read {key} again from {folder} ({e}); reload the pipeline.") from None
+    raise ModelPackageError(f"{name}: {key} is no longer in {folder}; the package changed since it was loaded, reload the pipeline.")
+
+
 def read_config(folder: Path, component: str) -> dict:
     """A component's ``config.json``, with an error naming the component when it is missing or broken."""
     config_path = Path(folder) / "config.json"
@@ -287,6 +309,9 @@ class SafetensorsReader:
     def shape(self, key: str):
         return self._entries[key][1]
 
+    def nbytes(self, key: str) -> int:
+        return self._entries[key][3] - self._entries[key][2]
+
     def get(self, key: str, scratch: bool = False) -> torch.Tensor:
         """The tensor ``key``, memory-mapped; with ``scratch``, read into a buffer that the next scratch
         read reuses (for tensors converted right away: one allocation instead of one per tensor, which
@@ -341,9 +366,23 @@ def _check_readable(path: Path, component: str) -> None:
         ) from None
 
 
+def check_loras(loras, model_dir, transformer_subfolder: str = "transformer"):
+    """Check a LoRA stack against a package's DiT from headers and ``config.json`` alone (no weight is
+    read); returns the normalized stack. Raises :class:`~lingbot_core.lora.LoraError` naming the file."""
+    from .lora import inspect_lora, lora_targets, normalize_stack
+
+    stack = normalize_stack(loras)
+    if stack:
+        folder = Path(model_dir) / transformer_subfolder
+        targets = lora_targets(_transformer_on_meta(folder, transformer_subfolder))
+        for path, _ in stack:
+            inspect_lora(path, targets)
+    return stack
+
+
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
                   device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0, attention: str = "sdpa",
-                  compile_blocks: bool = False, cfg_lockstep: bool = True) -> LingbotPipeline:
+                  compile_blocks: bool = False, cfg_lockstep: bool = True, loras=None) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
@@ -352,6 +391,8 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     an fp32 VAE. ``blocks_on_gpu`` is the number of DiT blocks kept resident under ``offload="block"``.
     ``attention``, ``compile_blocks`` and ``cfg_lockstep`` are the speed options of
     :meth:`LingbotPipeline.set_speed` (checked before any weight is read).
+    ``loras`` (``[(path, strength), ...]``) is applied to the DiT (see :meth:`LingbotPipeline.set_loras`);
+    the files are checked before any weight is read.
     """
     from diffusers import AutoencoderKLWan
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -368,6 +409,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     dit_compute = FP8_COMPUTE_DTYPE if is_fp8(chosen["transformer"]) else chosen["transformer"]
     diffusers_backend(attention, device, dit_compute)
     root = check_package(model_dir, transformer_subfolder)
+    loras = check_loras(loras, root, transformer_subfolder)
 
     transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
     common = dict(local_files_only=True, use_safetensors=True)
@@ -392,8 +434,15 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     scheduler_config = load_scheduler_config(str(root / "scheduler" / "scheduler_config.json"))
     if float(scheduler_config.get("shift", 1.0)) != 1.0:
         logger.info("scheduler_config.json has shift=%s; ignored (the shift is a sampling argument).", scheduler_config["shift"])
-    return LingbotPipeline(
+    pipe = LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep,
     )
+    if loras:
+        try:
+            pipe.set_loras(loras)
+        except BaseException:
+            pipe.release()
+            raise
+    return pipe

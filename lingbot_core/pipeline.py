@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Optional, Sequence, Tuple
 
 import numpy as np
@@ -22,12 +23,13 @@ from .latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
+from .lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
 from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .block_compile import FirstStepsTimer
 from .sampler import StepCallback, sample
-from .scheduling import refiner_sigmas, shifted_sigmas
+from .scheduling import check_sampler, check_sigmas, refiner_sigmas, shifted_sigmas
 from .speed import SpeedOptions, apply_speed
 from .step_cache import check_step_cache, make_step_cache
 from .text_conditioning import (
@@ -117,6 +119,8 @@ class LingbotPipeline:
         self.normalizer = LatentNormalizer(vae.config.latents_mean, vae.config.latents_std)
         self.crop_start = template_crop_start(processor)
         self._prompt_cache: "OrderedDict[tuple, PromptEmbeds]" = OrderedDict()
+        self._loras: Optional[LoraStack] = ()  # None: a change failed part-way (the next set_loras repairs it)
+        self._merged: set = set()  # DiT parameter keys holding LoRA-merged weights
         self.offloader = Offloader(
             {"text_encoder": text_encoder, "transformer": transformer, "vae": vae},
             preload={
@@ -184,6 +188,47 @@ class LingbotPipeline:
         compiling = new.compile_blocks and not self.speed.compile_blocks
         self.speed = apply_speed(self.transformer, self.speed, new, self.device)
         self._compile_pending = self._compile_pending or compiling
+
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    @property
+    def loras(self) -> LoraStack:
+        """The LoRA stack applied to the DiT: ``((path, strength), ...)``."""
+        return self._loras
+
+    def set_loras(self, loras) -> None:
+        """Make the DiT's LoRA set exactly ``loras`` (``[(path, strength), ...]``; ``[]`` removes every LoRA).
+
+        The files are read and checked first; an error there leaves the pipeline as it was. Touched
+        weights are merged from their checkpoint values (read again from the package when a LoRA was
+        merged before), so changes never drift and ``[]`` restores the loaded weights bit for bit;
+        fp8 weights get run-time adapters instead (see :mod:`lingbot_core.lora`).
+        """
+        self._require_loaded()
+        stack = normalize_stack(loras)
+        if stack == self._loras:
+            return
+        loaded = read_stack(stack, lora_targets(self.transformer))
+        mode, device = self.offloader.mode, self.offloader.device
+        self.offloader.remove_hooks()  # weights are replaced on their home device, then re-hooked
+        self._loras = None
+        try:
+            # On an accelerator the fp32 deltas are formed there (one weight at a time), not on the CPU.
+            work = device if device.type != "cpu" else None
+            report = apply_stack(self.transformer, loaded, self._merged, self._checkpoint_tensor, work)
+            self._loras = stack
+        finally:
+            self.offloader.apply(mode, device)
+            trim_heap()  # the replaced weights' pages
+        logger.info("LingBot-Video: %s DiT LoRA: %s (%d weights merged, %d restored, %d fp8 layers with run-time adapters).",
+                    self.transformer_subfolder, describe_stack(stack), report.merged, report.restored, report.run_time)
+
+    def _checkpoint_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
+        from .loading import checkpoint_tensor
+
+        if self.model_dir is None:
+            raise RuntimeError("this pipeline was not loaded from a package; its original weights cannot be restored.")
+        return checkpoint_tensor(Path(self.model_dir) / self.transformer_subfolder, self.transformer_subfolder, key, dtype)
 
     def release(self) -> None:
         """Remove hooks and drop every component; the pipeline is unusable afterwards."""
@@ -256,8 +301,10 @@ class LingbotPipeline:
     @torch.no_grad()
     def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
-                callback: Optional[StepCallback] = None, step_cache: float = 0.0) -> torch.Tensor:
-        """Run the UniPC sampler from ``latents`` (DiT space) through ``sigmas``; returns the final latent (CPU).
+                callback: Optional[StepCallback] = None, step_cache: float = 0.0,
+                sampler: str = "unipc") -> torch.Tensor:
+        """Run the sampler (``unipc`` or ``euler``) from ``latents`` (DiT space) through ``sigmas``; returns
+        the final latent (CPU).
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
@@ -265,6 +312,7 @@ class LingbotPipeline:
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
+        check_sampler(sampler)
         cache = make_step_cache(step_cache, len(sigmas), 2 if g > 1.0 else 1)
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
@@ -277,7 +325,7 @@ class LingbotPipeline:
                     self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
-                    lockstep=self.speed.cfg_lockstep, step_cache=cache,
+                    lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
@@ -302,9 +350,12 @@ class LingbotPipeline:
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
                  condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
-                 step_cache: float = 0.0):
+                 step_cache: float = 0.0, sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
         """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
 
+        ``sampler`` is ``unipc`` (the reference) or ``euler`` (flow Euler). ``sigmas`` (optional) is an
+        explicit strictly decreasing list ending above 0 that replaces the ``steps`` / ``shift`` grid
+        (a final 0 is appended), for distilled students trained on a fixed list.
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
         ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.step_cache).
         """
@@ -314,7 +365,8 @@ class LingbotPipeline:
         check_video_size(num_frames, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
-        sigmas = shifted_sigmas(steps, float(shift))
+        sigmas = shifted_sigmas(steps, float(shift)) if sigmas is None else check_sigmas(sigmas)
+        check_sampler(sampler)
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
@@ -329,7 +381,7 @@ class LingbotPipeline:
             cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
         noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
         latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
-                               callback=callback, step_cache=step_cache)
+                               callback=callback, step_cache=step_cache, sampler=sampler)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)
@@ -339,9 +391,12 @@ class LingbotPipeline:
                shift: float = 3.0, t_thresh: float = 0.85, tail_steps: int = 2, seed: int = 42,
                fps: float = 24.0, max_frames: Optional[int] = None, vae_tiling: bool = True,
                tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE,
-               output_type: str = "np", callback: Optional[StepCallback] = None, step_cache: float = 0.0):
+               output_type: str = "np", callback: Optional[StepCallback] = None, step_cache: float = 0.0,
+               sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
         """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
 
+        ``sampler`` / ``sigmas`` as in :meth:`generate`; explicit ``sigmas`` replace the cut grid and the
+        video is re-noised to their first value (instead of ``t_thresh``).
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
         ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
         ``vae_tiling`` tiles the VAE encode and the decode (``tile_size`` / ``tile_stride`` in pixels).
@@ -359,7 +414,12 @@ class LingbotPipeline:
         check_video_size(1, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
-        sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
+        if sigmas is None:
+            sigmas = refiner_sigmas(steps, float(shift), float(t_thresh), int(tail_steps))
+        else:
+            sigmas = check_sigmas(sigmas)
+            t_thresh = float(sigmas[0])
+        check_sampler(sampler)
         base_h, base_w = int(video.shape[1]), int(video.shape[2])
 
         _check_output_type(output_type)
@@ -382,7 +442,7 @@ class LingbotPipeline:
         embeds = self.encode_prompt(prompt, negative_prompt, guidance_scale=guidance_scale,
                                     num_frames=video.shape[0], null_negative=negative_prompt is None)
         latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
-                               callback=callback, step_cache=step_cache)
+                               callback=callback, step_cache=step_cache, sampler=sampler)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents, **tiling), output_type)

@@ -31,8 +31,10 @@ from .attention import diffusers_backend
 from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
 from .latents import LatentNormalizer
 from .loading import (
-    COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_package, check_transformer, default_dtypes, load_pipeline,
+    COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_loras, check_package, check_transformer,
+    default_dtypes, load_pipeline,
 )
+from .lora import LoraStack, check_strength, describe_stack
 from .memory import (
     MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
@@ -197,7 +199,7 @@ class PipelinePool:
             self._note_caller(spec)
             pipe = self._loaded.get(spec)
             if pipe is None:
-                pipe = self._load(spec, handle.offload, handle.blocks_on_gpu)
+                pipe = self._load(spec, handle.offload, handle.blocks_on_gpu, handle.loras)
             else:
                 self._loaded.move_to_end(spec)
             self._in_use[spec] = self._in_use.get(spec, 0) + 1
@@ -213,6 +215,8 @@ class PipelinePool:
                 pipe.set_offload(handle.offload, blocks_on_gpu=handle.blocks_on_gpu)
             if pipe.speed != handle.speed:
                 pipe.set_speed(**vars(handle.speed))
+            if pipe.loras != handle.loras:  # the one place a handle's LoRA stack reaches the weights
+                pipe.set_loras(handle.loras)
             if self.observer is not None:
                 self.observer.using(spec, pipe)
             yield pipe
@@ -226,16 +230,17 @@ class PipelinePool:
         if self.observer is not None:
             self.observer.placing(pins)
 
-    def _load(self, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0) -> LingbotPipeline:
+    def _load(self, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0, loras: LoraStack = ()) -> LingbotPipeline:
         pins = self.pin_bytes(spec) if offload == "block" else 0
         need = self.weight_bytes(spec) + pins
         self._make_room(spec, need, "loading its weights" + (" and offload 'block''s pinned staging buffers" if pins else ""))
         self._placing(pins)
-        logger.info("LingBot-Video: loading %s (%s of weights, offload=%s).", spec.label, format_bytes(need), offload)
+        logger.info("LingBot-Video: loading %s (%s of weights, offload=%s, LoRA: %s).", spec.label, format_bytes(need),
+                    offload, describe_stack(loras))
         try:
             pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
                                  device=spec.device, dtypes=spec.load_dtypes(), blocks_on_gpu=blocks_on_gpu,
-                                 **dict(spec.options))
+                                 loras=loras, **dict(spec.options))
         except BaseException:
             return_freed_memory()  # whatever was read before the failure
             raise
@@ -321,12 +326,13 @@ class LazyPipeline:
     """
 
     def __init__(self, pool: PipelinePool, spec: PipelineSpec, offload: str, blocks_on_gpu: int = 0,
-                 speed: Optional[SpeedOptions] = None):
+                 speed: Optional[SpeedOptions] = None, loras: LoraStack = ()):
         self.pool = pool
         self.spec = spec
         self.offload = check_offload_mode(offload)
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.speed = speed or SpeedOptions()
+        self.loras: LoraStack = tuple(loras)  # applied to the shared pipeline whenever this handle uses it
         self._normalizer: Optional[LatentNormalizer] = None
 
     def _comfy_cache_tensors(self):
@@ -337,7 +343,14 @@ class LazyPipeline:
 
     def __repr__(self) -> str:
         state = "loaded" if self.loaded else "not loaded"
-        return f"LazyPipeline({self.spec.label}, offload={self.offload}, {state})"
+        return f"LazyPipeline({self.spec.label}, offload={self.offload}, LoRA: {describe_stack(self.loras)}, {state})"
+
+    def with_lora(self, path, strength: float = 1.0) -> "LazyPipeline":
+        """A new handle on the same weights whose LoRA stack is this one's plus ``path`` at ``strength``.
+        The file is checked against the DiT from headers and config.json only (no weight is read)."""
+        strength = check_strength(strength)
+        stack = check_loras([*self.loras, (path, strength)], self.spec.model_dir, self.spec.transformer_subfolder)
+        return LazyPipeline(self.pool, self.spec, self.offload, self.blocks_on_gpu, self.speed, stack)
 
     @property
     def loaded(self) -> bool:

@@ -1,4 +1,4 @@
-"""The sampling loop: UniPC-bh2 over a given sigma list with classifier-free guidance.
+"""The sampling loop: UniPC-bh2 (or flow Euler) over a given sigma list with classifier-free guidance.
 
 The two CFG branches are two batch-1 forwards. In lockstep (the default) they go through the DiT in
 one call, block by block (each block runs cond, then uncond, while its weights are resident), which
@@ -12,7 +12,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .scheduling import make_scheduler, model_timestep
+from .scheduling import make_sampler, model_timestep
 from .step_cache import StepCache
 
 # (step index, number of steps, current x0 estimate in DiT space). May raise to cancel the run.
@@ -34,6 +34,7 @@ def sample(
     callback: Optional[StepCallback] = None,
     lockstep: bool = True,
     step_cache: Optional[StepCache] = None,
+    sampler: str = "unipc",
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -41,12 +42,13 @@ def sample(
     receives the reference's rounded timestep for its dtype; the solver uses the exact fp32 sigmas.
     ``condition_latent`` is written into latent frame 0 before the first step and after every step.
     ``lockstep`` runs both branches in one DiT call; ``step_cache`` (one branch state per CFG branch,
-    cond first) may skip the block stack of a branch on a step.
+    cond first) may skip the block stack of a branch on a step. ``sampler`` is ``unipc`` (the reference)
+    or ``euler`` (flow Euler, :class:`FlowEulerScheduler`).
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
         raise ValueError("guidance_scale > 1 needs a negative embedding; encode the prompt with the same guidance_scale.")
-    scheduler = make_scheduler(sigmas, scheduler_config)
+    scheduler = make_sampler(sampler, sigmas, scheduler_config)
     dtype = transformer.compute_dtype
     x = latents.clone()
     if condition_latent is not None:

@@ -1,4 +1,5 @@
-"""Sigma grids, integer timesteps and the UniPC-bh2 solver used by LingBot-Video.
+"""Sigma grids, integer timesteps, the UniPC-bh2 solver used by LingBot-Video, and flow Euler (for
+distilled students trained on a fixed sigma list).
 
 The reference uses Wan 2.1's FlowUniPC scheduler. Its solver is the same as diffusers'
 ``UniPCMultistepScheduler`` in flow-prediction mode; only the sigma grid differs. We therefore build
@@ -115,3 +116,74 @@ def make_scheduler(sigmas: np.ndarray, config: Optional[dict] = None) -> UniPCMu
     # would make diffusers start at the second one; the loop always starts at index 0.
     scheduler.set_begin_index(0)
     return scheduler
+
+
+SAMPLERS = ("unipc", "euler")
+
+
+def check_sampler(sampler: str) -> str:
+    if sampler not in SAMPLERS:
+        raise ValueError(f"sampler={sampler!r} is not allowed: use 'unipc' (the reference solver) or 'euler' (flow Euler, for distilled models).")
+    return sampler
+
+
+def check_sigmas(sigmas) -> np.ndarray:
+    """An explicit sigma list (float64): finite, in (0, 1], strictly decreasing, ending above 0 (the
+    final 0 is appended by the solver)."""
+    try:
+        arr = np.asarray([float(s) for s in sigmas], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"sigmas must be a list of numbers, got {sigmas!r}.") from None
+    if arr.ndim != 1 or len(arr) == 0 or len(arr) > 1000:
+        raise ValueError(f"sigmas must list 1 to 1000 values, got {len(arr)}.")
+    if not np.all(np.isfinite(arr)) or arr.max() > 1.0 or arr.min() <= 0.0 or np.any(np.diff(arr) >= 0):
+        raise ValueError(
+            f"sigmas {arr.tolist()} are not allowed: use a strictly decreasing list in (0, 1] that ends above 0 "
+            "(the final 0 is added), e.g. 1.0, 0.9, 0.75, 0.5."
+        )
+    return arr
+
+
+def parse_sigmas(text: str) -> Optional[np.ndarray]:
+    """``"1.0, 0.9, 0.75, 0.5"`` (commas or spaces) -> checked sigmas; empty text -> None."""
+    parts = text.replace(",", " ").split()
+    if not parts:
+        return None
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"sigmas {text!r} are not numbers; write them like 1.0, 0.9, 0.75, 0.5.") from None
+    return check_sigmas(values)
+
+
+class _Step:
+    def __init__(self, prev_sample: torch.Tensor):
+        self.prev_sample = prev_sample
+
+
+class FlowEulerScheduler:
+    """Flow Euler over ``sigmas`` then 0: ``x <- x + (sigma_next - sigma) * v``, in fp32.
+
+    The scheduler interface the sampling loop uses (``timesteps``, ``sigmas``, ``step``). The DiT gets
+    ``sigma * 1000`` unrounded (a student trained on a fixed list sees its own values, e.g. 1000, 900,
+    750, 500 for lightx2v_train's 1.0, 0.9, 0.75, 0.5), rounded for its dtype as every timestep is.
+    """
+
+    def __init__(self, sigmas: np.ndarray):
+        sig = np.asarray(sigmas, dtype=np.float64)
+        self.timesteps = torch.from_numpy(sig * 1000).to(torch.float32)
+        self.sigmas = torch.from_numpy(np.append(sig, 0.0)).to(torch.float32)
+        self._index = 0
+
+    def step(self, velocity: torch.Tensor, timestep, sample: torch.Tensor) -> _Step:
+        i = self._index
+        dt = self.sigmas[i + 1] - self.sigmas[i]
+        self._index += 1
+        return _Step(sample.float() + dt.to(sample.device) * velocity.float())
+
+
+def make_sampler(sampler: str, sigmas: np.ndarray, config: Optional[dict] = None):
+    """The solver stepping through ``sigmas`` (then 0): UniPC-bh2 (reference) or flow Euler."""
+    if check_sampler(sampler) == "euler":
+        return FlowEulerScheduler(sigmas)
+    return make_scheduler(sigmas, config)

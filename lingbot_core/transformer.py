@@ -26,6 +26,7 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
 from .precision import grouped_mm_fast
+from .lora import ADAPTER_PARAMS, adapter_output
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -52,11 +53,16 @@ class Linear(nn.Linear):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("scale_weight", None)
+        for name in ADAPTER_PARAMS:  # LoRA adapters, added at run time (see lingbot_core.lora)
+            self.register_parameter(name, None)
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         dtype = dtype or self.weight.dtype
         bias = None if self.bias is None else self.bias.to(dtype)
-        return F.linear(x.to(dtype), dequantize(self.weight, self.scale_weight, dtype), bias)
+        x = x.to(dtype)
+        y = F.linear(x, dequantize(self.weight, self.scale_weight, dtype), bias)
+        delta = adapter_output(self, x, dtype)
+        return y if delta is None else y + delta
 
 
 class RMSNorm(nn.Module):

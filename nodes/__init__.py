@@ -2,6 +2,7 @@
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
+from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .sampling import GenerateVideo, Refine
 from .speed import LingbotSpeedOptions
@@ -19,6 +20,7 @@ NODE_CLASS_MAPPINGS = {
     "LingbotNegativePrompt": LingbotNegativePrompt,
     "LoadLingbotVAE": LoadLingbotVAE,
     "LingbotSpeedOptions": LingbotSpeedOptions,
+    "LoadLingbotLoRA": LoadLingbotLoRA,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -33,5 +35,6 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
     "LingbotSpeedOptions": "LingBot-Video Speed Options",
+    "LoadLingbotLoRA": "LingBot-Video Load LoRA",
 }
 

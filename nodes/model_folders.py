@@ -77,3 +77,34 @@ def resolve_package(name: str) -> str:
             "refresh the browser; paths typed into the workflow are not accepted."
         )
     return packages[name]
+
+
+# -- LoRA files: ComfyUI's models/loras (extendable through extra_model_paths.yaml) ------------------
+
+LORA_FOLDER_KEY = "loras"
+
+
+def list_loras() -> List[str]:
+    """The ``.safetensors`` files in ComfyUI's ``loras`` folders, as ComfyUI names them (relative paths)."""
+    try:
+        names = folder_paths.get_filename_list(LORA_FOLDER_KEY)
+    except KeyError:
+        return []
+    return sorted(n for n in names if n.lower().endswith(".safetensors"))
+
+
+def lora_choices() -> List[str]:
+    return list_loras() or ["(no .safetensors LoRA found in models/loras)"]
+
+
+def resolve_lora(name: str) -> str:
+    """The path of a listed LoRA file; anything else (paths, '..', pickles, unknown names) is refused."""
+    listed = list_loras()
+    path = folder_paths.get_full_path(LORA_FOLDER_KEY, name) if name in listed else None
+    if path is None:
+        shown = ", ".join(listed[:10]) + (f" and {len(listed) - 10} more" if len(listed) > 10 else "") or "none found"
+        raise ValueError(
+            f"LoRA {name!r} is not one of the .safetensors files in models/loras ({shown}). Put the file there and "
+            "refresh the browser; paths typed into the workflow are not accepted."
+        )
+    return path

@@ -6,6 +6,7 @@ import logging
 
 from ..lingbot_core import parse_prompt
 from ..lingbot_core.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
+from ..lingbot_core.scheduling import SAMPLERS, parse_sigmas
 from ..lingbot_core.text_conditioning import frames_for_prompt, negative_from_widget
 from .comfy_memory import free_comfy_models
 from .progress import step_callback
@@ -60,21 +61,26 @@ class GenerateVideo:
                 "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate used with a caption's duration."}),
                 "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
+                "sampler": (list(SAMPLERS), {"default": "unipc", "tooltip": "unipc: the reference solver (also what LightX2V runs its four-step LoRA with). euler: flow Euler, for distilled models trained with it."}),
+                "sigmas": ("STRING", {"default": "", "tooltip": "Optional explicit noise levels, strictly decreasing in (0, 1], e.g. 1.0, 0.9, 0.75, 0.5 (a final 0 is added). They replace steps and shift. Empty = the steps/shift grid."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
-                 image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, unique_id=None):
+                 image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="unipc", sigmas="",
+                 unique_id=None):
         parsed = parse_prompt(prompt)
         for warning in parsed.warnings:
             logger.warning("GenerateVideo prompt: %s", warning)
         num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
+        explicit = parse_sigmas(sigmas or "")
         free_comfy_models()
         latents = pipe.generate(
             prompt, negative_prompt=negative_from_widget(negative_prompt), condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
-            output_type="latent", callback=step_callback(unique_id, steps), step_cache=step_cache,
+            output_type="latent", callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
+            step_cache=step_cache, sampler=sampler, sigmas=explicit,
         )
         return (pipe.decode(latents), _latent_output(pipe, latents))
 

@@ -51,7 +51,7 @@ WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
 PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
               "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
-              "LingbotNegativePrompt", "LingbotSpeedOptions")
+              "LingbotNegativePrompt", "LingbotSpeedOptions", "LoadLingbotLoRA")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.
@@ -222,6 +222,7 @@ def test_object_info_lists_the_nodes_with_documented_defaults(server):
     assert gen["pipe"][0] == "LINGBOT_PIPE" and gen["image_condition"][0] == "LINGBOT_IMAGE_COND"
     assert "image_condition" in infos["GenerateVideo"]["input"]["optional"]
     assert infos["GenerateVideo"]["output"] == ["IMAGE", "LATENT"]
+    assert gen["sampler"][0] == ["unipc", "euler"] and gen["sampler"][1]["default"] == "unipc" and gen["sigmas"][1]["default"] == ""
 
     ref = _inputs(infos["Refine"])
     expected = {"width": 1920, "height": 1088, "steps": 8, "t_thresh": 0.85, "tail_steps": 2,
