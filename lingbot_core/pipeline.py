@@ -71,6 +71,16 @@ def _check_seed(seed: int) -> int:
     return int(seed)
 
 
+def check_ti2v_size(height: int, width: int) -> None:
+    """A valid video size whose aspect ratio the text encoder accepts for the first frame."""
+    check_video_size(1, height, width)
+    if max(height, width) > MAX_TI2V_ASPECT * min(height, width):  # else the VLM refuses the crop later
+        raise ValueError(
+            f"image-to-video needs a video aspect ratio of at most {MAX_TI2V_ASPECT}:1 (the text encoder's image "
+            f"limit); width={width} x height={height} is {max(height, width) / min(height, width):.0f}:1."
+        )
+
+
 def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> None:
     """Reject a bad prompt / negative / guidance up front, so no VAE encode runs for a run that will fail."""
     _check_guidance(guidance_scale)
@@ -206,12 +216,7 @@ class LingbotPipeline:
     def encode_image(self, image, height: int, width: int) -> ImageCondition:
         """TI2V first frame: scale-to-cover + centre crop to ``height x width``, then VAE encode."""
         self._require_loaded()
-        check_video_size(1, height, width)
-        if max(height, width) > MAX_TI2V_ASPECT * min(height, width):  # else the VLM refuses the crop later
-            raise ValueError(
-                f"image-to-video needs a video aspect ratio of at most {MAX_TI2V_ASPECT}:1 (the text encoder's image "
-                f"limit); width={width} x height={height} is {max(height, width) / min(height, width):.0f}:1."
-            )
+        check_ti2v_size(height, width)
         pixels = preprocess_first_frame(image, height, width)
         with self.offloader.stage():
             posterior = vae_encode(self.vae, pixels, self.offloader.execution_device("vae"))

@@ -31,7 +31,7 @@ import torch
 
 from .chat_client import _preview
 from .latents import check_video_size, preprocess_first_frame
-from .pipeline import _check_seed, _check_steps, _check_text_inputs
+from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
 from .scheduling import shifted_sigmas
 from .text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
 
@@ -285,6 +285,7 @@ class RemoteServer:
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)
         files = []
         if image is not None:
+            check_ti2v_size(height, width)
             files.append(("input_reference", "first_frame.png", "image/png",
                           _png(preprocess_first_frame(image, height, width))))
         fields = [("model", self.model), ("prompt", parsed.text),

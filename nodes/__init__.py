@@ -3,6 +3,7 @@
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
+from .remote import LingbotRemoteGenerate, LingbotRemoteServer
 from .sampling import GenerateVideo, Refine
 from .vae import LoadLingbotVAE
 
@@ -17,6 +18,8 @@ NODE_CLASS_MAPPINGS = {
     "LingbotRewritePrompt": LingbotRewritePrompt,
     "LingbotNegativePrompt": LingbotNegativePrompt,
     "LoadLingbotVAE": LoadLingbotVAE,
+    "LingbotRemoteServer": LingbotRemoteServer,
+    "LingbotRemoteGenerate": LingbotRemoteGenerate,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -30,5 +33,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotRewritePrompt": "LingBot-Video Rewrite Prompt",
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
+    "LingbotRemoteServer": "LingBot-Video Remote Server",
+    "LingbotRemoteGenerate": "LingBot-Video Remote Generate",
 }
 

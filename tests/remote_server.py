@@ -109,6 +109,7 @@ class VideosServer:
         self.jobs: Dict[str, dict] = {}
         self.forgotten: List[str] = []  # sglang: deleted, still "running"
         self.cancelled: List[str] = []  # vllm: deleted and stopped
+        self.sent: Dict[str, bytes] = {}  # job id -> the content bytes answered
         self._lock = threading.Lock()
         self._httpd: Optional[ThreadingHTTPServer] = None
 
@@ -187,6 +188,7 @@ class VideosServer:
             self.jobs.clear()
             self.forgotten.clear()
             self.cancelled.clear()
+            self.sent.clear()
 
     # -- the API -----------------------------------------------------------------------------
 
@@ -265,6 +267,8 @@ class VideosServer:
         if data is None:
             data = encode_mp4(self.frames_of(job["id"]), float(entry["fields"]["fps"]), script.lossless)
         length = len(data)
+        with self._lock:
+            self.sent[job["id"]] = data
         if script.truncate is not None:
             data = data[: script.truncate]
         handler._send(200, data, script.content_type, length if script.announce_length else None)

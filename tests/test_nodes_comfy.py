@@ -50,7 +50,7 @@ WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
 PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
               "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
-              "LingbotNegativePrompt")
+              "LingbotNegativePrompt", "LingbotRemoteServer", "LingbotRemoteGenerate")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.

@@ -16,7 +16,7 @@ WORKFLOWS = sorted(p.stem for p in EXAMPLES.glob("*.json"))
 
 
 def test_every_example_workflow_is_listed_with_a_jpeg_thumbnail(comfy_server):
-    assert len(WORKFLOWS) == 4
+    assert len(WORKFLOWS) == 5
     assert sorted(comfy_server.get("/workflow_templates")[PACK_NAME]) == WORKFLOWS
     for name in WORKFLOWS:
         # The frontend (1.32.9 and later) asks for /api/workflow_templates/<pack folder>/<name>.jpg.
