@@ -23,6 +23,7 @@ from .fp8 import (
 )
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
+from .placement import check_component_devices
 from .scheduling import load_scheduler_config
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
@@ -40,9 +41,13 @@ class ModelPackageError(ValueError):
     """A model folder that is missing a component or holds invalid weights; the message says which."""
 
 
-def default_dtypes(device: torch.device) -> Dict[str, torch.dtype]:
-    low = torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"transformer": low, "text_encoder": low, "vae": torch.float32}
+def default_dtypes(device: torch.device, devices: Optional[dict] = None) -> Dict[str, torch.dtype]:
+    """bf16 DiT and text encoder on CUDA, fp32 on the CPU, fp32 VAE; ``devices`` (component -> device
+    overrides) makes each component's default follow its own device."""
+    low = lambda d: torch.bfloat16 if torch.device(d).type == "cuda" else torch.float32  # noqa: E731
+    devices = devices or {}
+    return {"transformer": low(device), "text_encoder": low(devices.get("text_encoder", device)),
+            "vae": torch.float32}
 
 
 def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "") -> torch.dtype:
@@ -339,13 +344,16 @@ def _check_readable(path: Path, component: str) -> None:
 
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
-                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0) -> LingbotPipeline:
+                  device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0,
+                  devices: Optional[dict] = None) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
     ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
     storage, bf16 compute); missing keys default to bf16 DiT and text encoder on CUDA (fp32 on CPU) and
     an fp32 VAE. ``blocks_on_gpu`` is the number of DiT blocks kept resident under ``offload="block"``.
+    ``devices`` optionally puts the text encoder and/or the VAE on another device than the DiT
+    (``{"text_encoder": "cuda:1"}``; see ``placement.py``); their default dtype follows their device.
     """
     from diffusers import AutoencoderKLWan
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -353,7 +361,8 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     check_offload_mode(offload)
     check_blocks_on_gpu(blocks_on_gpu)
     device = resolve_device(device)
-    chosen = default_dtypes(device)
+    devices = check_component_devices(devices)
+    chosen = default_dtypes(device, devices)
     for key, value in (dtypes or {}).items():
         if key not in chosen:
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")
@@ -386,4 +395,5 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     return LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
+        devices=devices,
     )

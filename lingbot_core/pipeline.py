@@ -24,6 +24,7 @@ from .latents import (
 )
 from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
+from .placement import check_component_devices
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .sampler import StepCallback, sample
 from .scheduling import refiner_sigmas, shifted_sigmas
@@ -107,7 +108,7 @@ class LingbotPipeline:
 
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
-                 offload: str = "none", device=None, blocks_on_gpu: int = 0):
+                 offload: str = "none", device=None, blocks_on_gpu: int = 0, devices=None):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -128,7 +129,8 @@ class LingbotPipeline:
             },
             blocks_on_gpu=blocks_on_gpu,
         )
-        self.offloader.apply(offload, resolve_device(device))
+        # ``devices``: optional {"text_encoder"/"vae": device} overrides (placement.py); the DiT uses ``device``.
+        self.offloader.apply(offload, resolve_device(device), check_component_devices(devices))
 
     # -- placement -------------------------------------------------------------------------------
 
@@ -158,14 +160,16 @@ class LingbotPipeline:
         """Page-locked host bytes held for this pipeline's weights."""
         return 0 if self.transformer is None else self.offloader.pinned_bytes()
 
-    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None) -> None:
+    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None, devices=None) -> None:
         """Switch offload mode on the loaded weights (old hooks are removed first; no reload).
-        ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
+        ``blocks_on_gpu`` (mode ``block``) and ``devices`` (per-component devices) keep their current
+        values when ``None``."""
         self._require_loaded()
         check_offload_mode(mode)
         if blocks_on_gpu is not None:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
-        self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
+        self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device),
+                             None if devices is None else check_component_devices(devices))
 
     def release(self) -> None:
         """Remove hooks and drop every component; the pipeline is unusable afterwards."""

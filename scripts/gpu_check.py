@@ -14,7 +14,11 @@ Three parts, all in this one process:
    ``block`` (``blocks_on_gpu`` 0): wall time of ``generate`` and, on CUDA, ``max_memory_allocated``
    (peak statistics reset before each run). One short warm-up run first, so CUDA start-up costs are
    not charged to ``none``. Frames must be bit-identical across the modes of one precision.
-3. **moe**: ``bench.moe_ffn`` (the MoE feed-forward before/after the sorted dispatch, and whether
+3. **placement** (tiny fp32 package, TI2V as in 1): the text encoder and VAE on another device than the
+   DiT (``cpu``; and ``cuda:1`` when a second GPU is present), offload ``none`` and ``model``, against the
+   default placement on the same loaded copy: frames bit-identical on a second GPU of the same kind, within
+   the precision bounds with the CPU; on CUDA the DiT device's peak memory per placement.
+4. **moe**: ``bench.moe_ffn`` (the MoE feed-forward before/after the sorted dispatch, and whether
    ``torch._grouped_mm`` gives the bits of the per-slice path on this device).
 
 Writes ``gpu-check.json`` and ``gpu-check.md`` into ``--out`` (default ``out/gpu-check``); exits 1 when a
@@ -144,6 +148,40 @@ def offload_check(device, size: str, workdir: Path, steps) -> dict:
     return results
 
 
+def placement_check(device, workdir: Path) -> dict:
+    from lingbot_core import load_pipeline
+    from lingbot_core.fixtures import write_package
+
+    package = write_package(workdir / "tiny-placement", fp32=True, refiner=False, seed=4)
+    image = _image(TINY_RUN["height"], TINY_RUN["width"])
+    others = ["cpu"]
+    if device.type == "cuda" and torch.cuda.device_count() > 1:  # a second GPU: the next one
+        main = device.index if device.index is not None else torch.cuda.current_device()
+        others.append(f"cuda:{(main + 1) % torch.cuda.device_count()}")
+    pipe = load_pipeline(package, device=device, dtypes={"transformer": "fp32", "text_encoder": "fp32"})
+    runs = []
+    try:
+        reference = pipe.generate("a red fox in the snow", image=image, **TINY_RUN)
+        for other in others:
+            for mode in ("none", "model"):
+                pipe.set_offload(mode, devices={"text_encoder": other, "vae": other})
+                pipe._prompt_cache.clear()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                frames = pipe.generate("a red fox in the snow", image=image, **TINY_RUN)
+                diff = np.abs(frames.astype(np.float64) - reference.astype(np.float64))
+                same_kind = other != "cpu" or device.type == "cpu"
+                entry = {"other": other, "mode": mode, "max_abs": float(diff.max()), "identical": bool(diff.max() == 0),
+                         "ok": bool(diff.max() == 0) if same_kind else bool(diff.mean() <= MEAN_BOUND and diff.max() <= MAX_BOUND)}
+                if device.type == "cuda":
+                    entry["dit_device_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
+                runs.append(entry)
+                log(f"placement text encoder + VAE on {other}, {mode}: max |diff| {diff.max():.3g}")
+    finally:
+        pipe.release()
+    return {"workload": dict(TINY_RUN, ti2v=True), "runs": runs}
+
+
 def moe_check(device, size: str) -> dict:
     from bench.moe_ffn import run
 
@@ -178,6 +216,14 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['precision']} | {r['mode']}{' K=' + str(r['blocks_on_gpu']) if r['mode'] == 'block' else ''} | "
                          f"{r['generate_s']} | {r['ratio_to_none']} | {r.get('max_memory_allocated_mib', '—')} | {ident} |")
         lines.append("")
+    pl = report.get("placement")
+    if pl:
+        lines += ["Placement (text encoder and VAE on another device, tiny fp32 TI2V), frames vs the default placement:", "",
+                  "| text encoder + VAE on | mode | max abs diff | DiT device peak MiB | ok |", "|---|---|---:|---:|:---:|"]
+        for r in pl["runs"]:
+            lines.append(f"| {r['other']} | {r['mode']} | {r['max_abs']:.3g} | {r.get('dit_device_peak_mib', '—')} | "
+                         f"{'yes' if r['ok'] else 'NO'} |")
+        lines.append("")
     moe = report.get("moe")
     if moe:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
@@ -194,7 +240,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 40 on CUDA)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, offload, moe")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, offload, placement, moe")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
@@ -223,6 +269,9 @@ def main(argv=None) -> int:
             log(f"offload check ({args.size}) ...")
             workdir = Path(args.workdir).expanduser() if args.size == "full" else Path(tmp)
             report["offload"] = offload_check(device, args.size, workdir, args.steps)
+        if "placement" not in skip:
+            log("placement check (tiny) ...")
+            report["placement"] = placement_check(device, Path(tmp))
         if "moe" not in skip:
             log("MoE FFN ...")
             report["moe"] = moe_check(device, args.size)
@@ -233,6 +282,8 @@ def main(argv=None) -> int:
     if "offload" in report:
         checks += [report["offload"][f"{q}_frames_identical"] for q in PRECISIONS]
         checks += [r["frames_finite"] for r in report["offload"]["runs"]]
+    if "placement" in report:
+        checks += [r["ok"] for r in report["placement"]["runs"]]
     if "moe" in report:
         checks.append(report["moe"]["bit_identical_to_before"].get("slices", False))
     report["ok"] = bool(checks) and all(checks)

@@ -16,6 +16,11 @@ neither can show an offload bug. The tracker instead instruments accelerate's ow
 Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
 computes, which also sees calls that bypass a top-level hook. Under sequential offload a probe fires
 before its module's weights stream in, so each streaming step also takes a ``"stream"`` snapshot.
+
+Per device (components placed on different accelerators, ``placement.py``): every onload is also
+recorded with the device the hook moved the weights to (``onloads``), and every snapshot also as
+``(component, device)`` pairs (``placed_snapshots``); ``resident_on(device)`` is the resident set of
+one device.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections import defaultdict
 from contextlib import ExitStack
 from unittest import mock
 
+import torch
 from accelerate.hooks import AlignDevicesHook, CpuOffload
 
 from lingbot_core.offload import StreamUnit
@@ -56,6 +62,8 @@ class ResidencyTracker:
         self._block_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
         self.max_blocks_resident = 0
         self.block_snapshots = []  # (block index, blocks resident, that block resident, input device)
+        self.onloads = []  # (component, device its weights were moved to)
+        self.placed_snapshots = []  # (probe, frozenset of (component, device) resident)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -96,6 +104,7 @@ class ResidencyTracker:
                 tracker.resident.add(name)
                 tracker.pre_forward_calls[name] += 1
                 tracker.events.append(("onload", name))
+                tracker.onloads.append((name, torch.device(hook.execution_device)))
             tracker._update_peak()
             return orig_pre(hook, module, *args, **kwargs)
 
@@ -111,6 +120,7 @@ class ResidencyTracker:
                 name = tracker.owner.get(id(module))
                 if name is not None:
                     tracker.streamed[name] += _nbytes(module, hook.place_submodules)
+                    tracker.onloads.append((name, torch.device(hook.execution_device)))
                     tracker._update_peak()
                     tracker._snap("stream")  # probes fire before a module streams in; this sees it loaded
             return orig_align_pre(hook, module, *args, **kwargs)
@@ -128,6 +138,7 @@ class ResidencyTracker:
             blocks = {tracker._block_of[id(m)] for m, *_ in unit.slots if id(m) in tracker._block_of}
             nbytes = sum(t.numel() * t.element_size() for *_, t in unit.slots)
             tracker.units[id(unit)] = (nbytes, blocks)
+            tracker.onloads.append(("transformer", torch.device(device)))
             tracker.events.append(("unit_onload", unit.label))
             tracker.max_blocks_resident = max(tracker.max_blocks_resident, len(tracker.blocks_resident()))
             tracker._update_peak()
@@ -162,6 +173,14 @@ class ResidencyTracker:
 
     def _snap(self, probe):
         self.snapshots.append((probe, self.current()))
+        self.placed_snapshots.append((probe, self.placed()))
+
+    def placed(self) -> frozenset:
+        """The resident components with their execution devices."""
+        return frozenset((name, self.pipe.offloader.execution_device(name)) for name in self.current())
+
+    def resident_on(self, device) -> frozenset:
+        return frozenset(name for name, d in self.placed() if d == torch.device(device))
 
     def __exit__(self, *exc):
         self._stack.close()
@@ -176,6 +195,8 @@ class ResidencyTracker:
         self.snapshots.clear()
         self.events.clear()
         self.block_snapshots.clear()
+        self.onloads.clear()
+        self.placed_snapshots.clear()
 
 
 def blocks_of(transformer):

@@ -30,4 +30,6 @@ def test_gpu_check_tiny_cpu(tmp_path):
         x = report["precision"][label]
         assert 0 < x["mean_abs"] <= x["max_abs"] <= 0.25, x
     assert report["moe"]["bit_identical_to_before"]["slices"]
+    assert [(r["other"], r["mode"], r["identical"]) for r in report["placement"]["runs"]] == [
+        ("cpu", "none", True), ("cpu", "model", True)]  # on a CPU host "another device" is the same one
     assert "| bf16 | block K=0 |" in md
