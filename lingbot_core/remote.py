@@ -23,7 +23,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
 import numpy as np
@@ -79,7 +79,6 @@ class RemoteVideo:
     job: dict
     url: str
     elapsed_s: float
-    cancel_log: List[str] = field(default_factory=list)
 
     def report(self) -> str:
         job = self.job
@@ -241,16 +240,15 @@ class RemoteServer:
         body, content_type = encode_multipart(fields, files)
         job = self._submit(body, content_type, deadline)
         job_id = str(job["id"])
-        cancel_log: List[str] = []
         seen = {"in_progress": job.get("status") == "in_progress"}
         try:
             job = self._wait(job, deadline, callback, seen)
         except RemoteJobFailed:
             raise
         except BaseException as e:  # interrupt, deadline, lost connection: do not leave the job running
-            cancel_log.append(self.cancel(job_id, saw_progress=seen["in_progress"]))
+            note = self.cancel(job_id, saw_progress=seen["in_progress"])
             if isinstance(e, RemoteServerError):
-                e.args = (e.args[0] + f" The job was deleted on the server ({cancel_log[-1]}).",)
+                e.args = (e.args[0] + f" The job was deleted on the server ({note}).",)
             raise
         mp4 = self._download(job_id, deadline)
         try:
@@ -267,7 +265,7 @@ class RemoteServer:
                 f"job {job_id} on {self.base_url} sent {got[0]} frames of {got[2]}x{got[1]} but {expected[0]} frames of "
                 f"{expected[2]}x{expected[1]} were asked for; the server may not honour num_frames/width/height "
                 "(check its version and model).", url=self.base_url, status=200, job_id=job_id)
-        return RemoteVideo(frames, mp4, job, self.base_url, time.monotonic() - start, cancel_log)
+        return RemoteVideo(frames, mp4, job, self.base_url, time.monotonic() - start)
 
     def request_fields(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int,
                        height: int, num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int,
