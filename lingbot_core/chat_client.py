@@ -52,14 +52,20 @@ class ChatServer:
         return url.rstrip("/") + "/chat/completions"
 
     def api_key(self) -> Optional[str]:
-        name = (self.api_key_env or "").strip()
-        if not name:
-            return None
-        value = os.environ.get(name)
-        if not value:
-            raise ValueError(f"api_key_env names the environment variable {name!r}, which is not set. Set it "
-                             "before starting ComfyUI, or clear api_key_env for a server without a key.")
-        return value
+        return api_key_from_env(self.api_key_env)
+
+
+def api_key_from_env(name: Optional[str]) -> Optional[str]:
+    """The key held by the environment variable ``name`` (None for an empty name); the key itself is
+    never part of a workflow."""
+    name = (name or "").strip()
+    if not name:
+        return None
+    value = os.environ.get(name)
+    if not value:
+        raise ValueError(f"api_key_env names the environment variable {name!r}, which is not set. Set it "
+                         "before starting ComfyUI, or clear api_key_env for a server without a key.")
+    return value
 
 
 def image_data_url(image: Image.Image) -> str:

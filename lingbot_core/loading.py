@@ -25,6 +25,7 @@ from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .precision import auto_dtypes
 from .attention import diffusers_backend
+from .placement import check_component_devices
 from .scheduling import load_scheduler_config
 from .speed import SpeedOptions
 from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
@@ -43,9 +44,15 @@ class ModelPackageError(ValueError):
     """A model folder that is missing a component or holds invalid weights; the message says which."""
 
 
-def default_dtypes(device: torch.device, capability=None, log: bool = False) -> Dict[str, torch.dtype]:
-    """The ``auto`` dtypes for ``device`` (by compute capability on CUDA; see :mod:`lingbot_core.precision`)."""
-    return auto_dtypes(device, capability, log=log)
+def default_dtypes(device: torch.device, capability=None, log: bool = False,
+                   devices: Optional[dict] = None) -> Dict[str, torch.dtype]:
+    """The ``auto`` dtypes for ``device`` (by compute capability on CUDA; see :mod:`lingbot_core.precision`).
+    ``devices`` (component -> device overrides) makes the text encoder's default follow its own device."""
+    chosen = auto_dtypes(device, capability, log=log)
+    other = (devices or {}).get("text_encoder")
+    if other is not None and torch.device(other) != torch.device(device):
+        chosen["text_encoder"] = auto_dtypes(torch.device(other), log=log)["text_encoder"]
+    return chosen
 
 
 def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "") -> torch.dtype:
@@ -382,7 +389,8 @@ def check_loras(loras, model_dir, transformer_subfolder: str = "transformer"):
 
 def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
                   device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0, attention: str = "sdpa",
-                  compile_blocks: bool = False, cfg_lockstep: bool = True, loras=None) -> LingbotPipeline:
+                  compile_blocks: bool = False, cfg_lockstep: bool = True, loras=None,
+                  devices: Optional[dict] = None) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
@@ -393,6 +401,8 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     :meth:`LingbotPipeline.set_speed` (checked before any weight is read).
     ``loras`` (``[(path, strength), ...]``) is applied to the DiT (see :meth:`LingbotPipeline.set_loras`);
     the files are checked before any weight is read.
+    ``devices`` optionally puts the text encoder and/or the VAE on another device than the DiT
+    (``{"text_encoder": "cuda:1"}``; see ``placement.py``); their default dtype follows their device.
     """
     from diffusers import AutoencoderKLWan
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
@@ -400,7 +410,8 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     check_offload_mode(offload)
     check_blocks_on_gpu(blocks_on_gpu)
     device = resolve_device(device)
-    chosen = default_dtypes(device, log=not set(dtypes or {}) >= set(COMPONENTS))  # log what auto chose
+    devices = check_component_devices(devices)
+    chosen = default_dtypes(device, log=not set(dtypes or {}) >= set(COMPONENTS), devices=devices)  # log what auto chose
     for key, value in (dtypes or {}).items():
         if key not in chosen:
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")
@@ -437,7 +448,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     pipe = LingbotPipeline(
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
-        attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep,
+        attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
     )
     if loras:
         try:

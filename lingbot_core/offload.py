@@ -73,13 +73,16 @@ def _hooks(module: nn.Module) -> List:
     return list(hook.hooks) if isinstance(hook, SequentialHook) else [hook]
 
 
-def execution_device_of(module: nn.Module) -> torch.device:
-    """Where ``module`` computes: its offload hooks' execution device, else its parameters' device."""
+def execution_device_of(module: nn.Module, placed: Optional[torch.device] = None) -> torch.device:
+    """Where ``module`` computes: its offload hooks' execution device, else ``placed`` (where offload
+    ``none`` put it), else its parameters' device."""
     for sub in module.modules():
         for hook in _hooks(sub):
             device = getattr(hook, "execution_device", None)
             if device is not None:
                 return torch.device(device)
+    if placed is not None:
+        return placed
     for p in module.parameters():
         return p.device
     return torch.device("cpu")
@@ -106,15 +109,21 @@ class Offloader:
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)  # used by mode "block"
         self.mode = "none"
         self.device = torch.device("cpu")
+        self.devices: Dict[str, torch.device] = {}  # per-component execution devices (else ``device``)
         self._chain: List[UserCpuOffloadHook] = []
         self._failed: Optional[str] = None  # why the last apply() failed; stages refuse to run then
 
     # -- configuration --------------------------------------------------------------------------
 
-    def apply(self, mode: str, device=None) -> None:
-        """Install ``mode`` on ``device``; removes any previous hooks first (never ``.to()`` a hooked module)."""
+    def apply(self, mode: str, device=None, devices: Optional[Dict[str, torch.device]] = None) -> None:
+        """Install ``mode`` on ``device``; removes any previous hooks first (never ``.to()`` a hooked module).
+
+        ``devices`` ({component: device}, see ``placement.py``) replaces the per-component devices; None
+        keeps them. Each component is placed on its own device in the same mode."""
         check_offload_mode(mode)
         device = resolve_device(device)
+        if devices is not None:
+            self.devices = {name: resolve_device(d) for name, d in devices.items()}
         self.remove_hooks()
         if mode != "none" and device.type == "cpu":
             logger.info("offload=%s on a CPU execution device installs real hooks but saves no memory.", mode)
@@ -132,17 +141,21 @@ class Offloader:
         self.mode, self.device = mode, device
         empty_device_cache(device)
 
-    def _install(self, mode: str, device: torch.device) -> None:
+    def component_device(self, name: str, device: Optional[torch.device] = None) -> torch.device:
+        return self.devices.get(name, self.device if device is None else device)
+
+    def _install(self, mode: str, main: torch.device) -> None:
+        device = lambda name: self.component_device(name, main)  # noqa: E731
         if mode == "none":
-            for module in self.components.values():
-                module.to(device)
+            for name, module in self.components.items():
+                module.to(device(name))
         elif mode == "model":
             prev = None
             for name in MODEL_OFFLOAD_SEQUENCE:
                 module = self.components.get(name)
                 if module is None:
                     continue
-                _, prev = cpu_offload_with_hook(module.to("cpu"), device, prev_module_hook=prev)
+                _, prev = cpu_offload_with_hook(module.to("cpu"), device(name), prev_module_hook=prev)
                 self._chain.append(prev)
         elif mode == "block":
             prev = None
@@ -152,15 +165,15 @@ class Offloader:
                     continue
                 module.to("cpu")
                 if name == "transformer":
-                    add_hook_to_module(module, BlockStreamer(device, self.blocks_on_gpu))
+                    add_hook_to_module(module, BlockStreamer(device(name), self.blocks_on_gpu))
                 else:
-                    _, prev = cpu_offload_with_hook(module, device, prev_module_hook=prev)
+                    _, prev = cpu_offload_with_hook(module, device(name), prev_module_hook=prev)
                     self._chain.append(prev)
         else:
             for name, module in self.components.items():
                 module.to("cpu")
                 cpu_offload(
-                    module, device, offload_buffers=len(module._parameters) > 0,
+                    module, device(name), offload_buffers=len(module._parameters) > 0,
                     preload_module_classes=self.preload.get(name) or None,
                 )
 
@@ -231,7 +244,7 @@ class Offloader:
         module = self.components.get(name)
         if module is None:
             return self.device
-        return execution_device_of(module)
+        return execution_device_of(module, self.component_device(name))
 
     def device_bytes(self) -> int:
         """Bytes of weights on a non-CPU, non-meta device right now (what ComfyUI is told is in VRAM)."""

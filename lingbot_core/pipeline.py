@@ -26,6 +26,7 @@ from .latents import (
 from .lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
 from .memory import trim_heap
 from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
+from .placement import check_component_devices
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .block_compile import FirstStepsTimer
 from .sampler import StepCallback, sample
@@ -81,6 +82,16 @@ def _check_seed(seed: int) -> int:
     return int(seed)
 
 
+def check_ti2v_size(height: int, width: int) -> None:
+    """A valid video size whose aspect ratio the text encoder accepts for the first frame."""
+    check_video_size(1, height, width)
+    if max(height, width) > MAX_TI2V_ASPECT * min(height, width):  # else the VLM refuses the crop later
+        raise ValueError(
+            f"image-to-video needs a video aspect ratio of at most {MAX_TI2V_ASPECT}:1 (the text encoder's image "
+            f"limit); width={width} x height={height} is {max(height, width) / min(height, width):.0f}:1."
+        )
+
+
 def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> None:
     """Reject a bad prompt / negative / guidance up front, so no VAE encode runs for a run that will fail."""
     _check_guidance(guidance_scale)
@@ -108,7 +119,7 @@ class LingbotPipeline:
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
                  offload: str = "none", device=None, blocks_on_gpu: int = 0, attention: str = "sdpa",
-                 compile_blocks: bool = False, cfg_lockstep: bool = True):
+                 compile_blocks: bool = False, cfg_lockstep: bool = True, devices=None):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -132,7 +143,8 @@ class LingbotPipeline:
             },
             blocks_on_gpu=blocks_on_gpu,
         )
-        self.offloader.apply(offload, resolve_device(device))
+        # ``devices``: optional {"text_encoder"/"vae": device} overrides (placement.py); the DiT uses ``device``.
+        self.offloader.apply(offload, resolve_device(device), check_component_devices(devices))
         self.speed = SpeedOptions()
         self._compile_pending = False
         self.set_speed(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
@@ -165,14 +177,16 @@ class LingbotPipeline:
         """Page-locked host bytes held for this pipeline's weights."""
         return 0 if self.transformer is None else self.offloader.pinned_bytes()
 
-    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None) -> None:
+    def set_offload(self, mode: str, device=None, blocks_on_gpu: Optional[int] = None, devices=None) -> None:
         """Switch offload mode on the loaded weights (old hooks are removed first; no reload).
-        ``blocks_on_gpu`` (mode ``block``) keeps its current value when ``None``."""
+        ``blocks_on_gpu`` (mode ``block``) and ``devices`` (per-component devices) keep their current
+        values when ``None``."""
         self._require_loaded()
         check_offload_mode(mode)
         if blocks_on_gpu is not None:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
-        self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device))
+        self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device),
+                             None if devices is None else check_component_devices(devices))
 
     def set_speed(self, *, attention: Optional[str] = None, compile_blocks: Optional[bool] = None,
                   cfg_lockstep: Optional[bool] = None) -> None:
@@ -279,12 +293,7 @@ class LingbotPipeline:
     def encode_image(self, image, height: int, width: int) -> ImageCondition:
         """TI2V first frame: scale-to-cover + centre crop to ``height x width``, then VAE encode."""
         self._require_loaded()
-        check_video_size(1, height, width)
-        if max(height, width) > MAX_TI2V_ASPECT * min(height, width):  # else the VLM refuses the crop later
-            raise ValueError(
-                f"image-to-video needs a video aspect ratio of at most {MAX_TI2V_ASPECT}:1 (the text encoder's image "
-                f"limit); width={width} x height={height} is {max(height, width) / min(height, width):.0f}:1."
-            )
+        check_ti2v_size(height, width)
         pixels = preprocess_first_frame(image, height, width)
         with self.offloader.stage():
             posterior = vae_encode(self.vae, pixels, self.offloader.execution_device("vae"))

@@ -41,6 +41,7 @@ from .memory import (
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .speed import SpeedOptions
+from .placement import check_component_devices
 
 logger = logging.getLogger("lingbot_core")
 
@@ -54,30 +55,39 @@ class MemoryBudgetError(RuntimeError):
 
 @dataclass(frozen=True)
 class PipelineSpec:
-    """Which weights to load: equal specs share one loaded pipeline (the offload mode is not part of it)."""
+    """Which weights to load: equal specs share one loaded pipeline (the offload mode is not part of it).
+
+    ``devices`` (the text encoder's / VAE's own devices) is part of the key: a different placement is
+    another pipeline (loaded when used; the old one is idle and goes first when RAM is needed), because
+    the default dtypes follow each component's device."""
 
     model_dir: str
     transformer_subfolder: str = "transformer"
     dtypes: Tuple[Tuple[str, str], ...] = ()  # component -> dtype name, sorted; missing = the device default
     device: str = "cpu"
     options: Tuple[Tuple[str, object], ...] = field(default=())  # further load_pipeline keyword arguments
+    devices: Tuple[Tuple[str, str], ...] = ()  # component -> its own device, sorted; missing = ``device``
 
     @classmethod
     def create(cls, model_dir, transformer_subfolder: str = "transformer", dtypes: Optional[dict] = None,
-               device=None, **options) -> "PipelineSpec":
+               device=None, devices: Optional[dict] = None, **options) -> "PipelineSpec":
         names = {}
         for key, value in (dtypes or {}).items():
             dt = _dtype(value, DIT_DTYPES if key == "transformer" else DTYPES, key)  # refuses unknown dtypes clearly
             names[key] = str(dt).replace("torch.", "")
+        main = resolve_device(device)
+        # A component placed on the pipeline's own device is the default placement (one key, one load).
+        placed = tuple(sorted((k, str(v)) for k, v in check_component_devices(devices).items() if v != main))
         return cls(str(Path(model_dir)), transformer_subfolder, tuple(sorted(names.items())),
-                   str(resolve_device(device)), tuple(sorted(options.items())))
+                   str(main), tuple(sorted(options.items())), placed)
 
     @property
     def label(self) -> str:
         return f"{Path(self.model_dir).name} ({self.transformer_subfolder})"
 
     def load_dtypes(self) -> Dict[str, torch.dtype]:
-        chosen = default_dtypes(torch.device(self.device), log=len(self.dtypes) < len(COMPONENTS))
+        chosen = default_dtypes(torch.device(self.device), log=len(self.dtypes) < len(COMPONENTS),
+                                devices=dict(self.devices))
         for key, name in self.dtypes:
             chosen[key] = getattr(torch, name)
         return chosen
@@ -111,6 +121,7 @@ class PipelinePool:
 
     def handle(self, model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
                dtypes: Optional[dict] = None, device=None, blocks_on_gpu: int = 0, speed: Optional[SpeedOptions] = None,
+               devices: Optional[dict] = None,
                **options) -> "LazyPipeline":
         """Check the package (headers only) and return a handle; no weight is read here.
 
@@ -119,7 +130,7 @@ class PipelinePool:
         lockstep) is applied the same way (``LingbotPipeline.set_speed``)."""
         check_offload_mode(offload)
         check_blocks_on_gpu(blocks_on_gpu)
-        spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, **options)
+        spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, devices, **options)
         if not self.is_loaded(spec):  # a loaded pipeline needs no files: switching offload reads nothing
             root = check_package(model_dir, transformer_subfolder)
             check_transformer(root / transformer_subfolder, transformer_subfolder)
@@ -240,7 +251,7 @@ class PipelinePool:
         try:
             pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
                                  device=spec.device, dtypes=spec.load_dtypes(), blocks_on_gpu=blocks_on_gpu,
-                                 loras=loras, **dict(spec.options))
+                                 loras=loras, devices=dict(spec.devices), **dict(spec.options))
         except BaseException:
             return_freed_memory()  # whatever was read before the failure
             raise

@@ -4,6 +4,7 @@ from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
 from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
+from .remote import LingbotRemoteGenerate, LingbotRemoteServer
 from .sampling import GenerateVideo, Refine
 from .speed import LingbotSpeedOptions
 from .vae import LoadLingbotVAE
@@ -21,6 +22,8 @@ NODE_CLASS_MAPPINGS = {
     "LoadLingbotVAE": LoadLingbotVAE,
     "LingbotSpeedOptions": LingbotSpeedOptions,
     "LoadLingbotLoRA": LoadLingbotLoRA,
+    "LingbotRemoteServer": LingbotRemoteServer,
+    "LingbotRemoteGenerate": LingbotRemoteGenerate,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -36,5 +39,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
     "LingbotSpeedOptions": "LingBot-Video Speed Options",
     "LoadLingbotLoRA": "LingBot-Video Load LoRA",
+    "LingbotRemoteServer": "LingBot-Video Remote Server",
+    "LingbotRemoteGenerate": "LingBot-Video Remote Generate",
 }
 

@@ -7,6 +7,7 @@ import logging
 import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
+from ..lingbot_core.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import package_choices, resolve_package
 
@@ -19,7 +20,7 @@ TRANSFORMERS = ["transformer", "refiner"]
 
 
 def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                    blocks_on_gpu=0, speed_options=None):
+                    blocks_on_gpu=0, speed_options=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
     """The one place that turns the loader's widgets into a handle (new loader options go here).
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
@@ -29,7 +30,9 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
                                  ("dit_precision", dit_precision, DIT_PRECISIONS),
                                  ("text_encoder_precision", text_encoder_precision, PRECISIONS),
                                  ("vae_precision", vae_precision, VAE_PRECISIONS),
-                                 ("transformer", transformer, TRANSFORMERS)):
+                                 ("transformer", transformer, TRANSFORMERS),
+                                 ("text_encoder_device", text_encoder_device, device_choices()),
+                                 ("vae_device", vae_device, device_choices())):
         if value not in allowed:
             raise ValueError(f"{name}={value!r} is not valid; choose one of {', '.join(allowed)}.")
     dtypes = {"vae": vae_precision}
@@ -39,7 +42,8 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         dtypes["text_encoder"] = text_encoder_precision
     return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
                               dtypes=dtypes, device=comfy_device(),
-                              blocks_on_gpu=blocks_on_gpu, speed=speed_options)
+                              blocks_on_gpu=blocks_on_gpu, speed=speed_options,
+                              devices={"text_encoder": text_encoder_device, "vae": vae_device})
 
 
 def comfy_device():
@@ -89,14 +93,19 @@ class LoadLingbotPipeline:
                 "blocks_on_gpu": ("INT", {"default": 0, "min": 0, "max": MAX_BLOCKS_ON_GPU,
                                   "tooltip": "offload 'block' only: DiT blocks kept on the GPU (the others are streamed). 0 = least VRAM; each block is about 0.1 GiB (dense, bf16) or 1.2 GiB (MoE, bf16)."}),
                 "speed_options": ("LINGBOT_SPEED", {"tooltip": "From 'LingBot-Video Speed Options': attention kernel, block compile, CFG lockstep. Unconnected = sdpa, no compile, lockstep on."}),
+                "text_encoder_device": (device_choices(), {"default": DEFAULT,
+                                        "tooltip": "Where the Qwen3-VL text encoder (8.3 GiB bf16) runs: default = ComfyUI's GPU (with the DiT), cpu, or a second GPU so the DiT's card holds only the DiT. The offload mode applies to it on that device."}),
+                "vae_device": (device_choices(), {"default": DEFAULT,
+                               "tooltip": "Where the VAE runs: default = ComfyUI's GPU (with the DiT), cpu, or a second GPU. The offload mode applies to it on that device."}),
             },
             "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
         }
 
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-             blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None):
+             blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT,
+             vae_device=DEFAULT):
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                               blocks_on_gpu, speed_options)
+                               blocks_on_gpu, speed_options, text_encoder_device, vae_device)
         job = current_job()
         if job is not None and unique_id is not None:
             # Until these nodes have used it, the pipeline is not evicted to make room for another one.

@@ -26,7 +26,11 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    ``allocator="cudaMallocAsync"`` run in a child process started with
    ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (ComfyUI's default allocator), and must give the
    frames of the native-allocator row they name.
-3. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
+3. **placement** (tiny fp32 package, TI2V as in 1): the text encoder and VAE on another device than the
+   DiT (``cpu``; and ``cuda:1`` when a second GPU is present), offload ``none`` and ``model``, against the
+   default placement on the same loaded copy: frames bit-identical on a second GPU of the same kind, within
+   the precision bounds with the CPU; on CUDA the DiT device's peak memory per placement.
+4. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
    the bits of the per-slice path on this device).
 
 TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 420) stops starting new rows once
@@ -393,6 +397,40 @@ def check_rows(results: List[dict]) -> None:
             res["same_as"] = {"row": ref, "equal": by_name[ref]["frames_sha256"] == res["frames_sha256"]}
 
 
+def placement_check(device, workdir: Path) -> dict:
+    from lingbot_core import load_pipeline
+    from lingbot_core.fixtures import write_package
+
+    package = write_package(workdir / "tiny-placement", fp32=True, refiner=False, seed=4)
+    image = _image(TINY_RUN["height"], TINY_RUN["width"])
+    others = ["cpu"]
+    if device.type == "cuda" and torch.cuda.device_count() > 1:  # a second GPU: the next one
+        main = device.index if device.index is not None else torch.cuda.current_device()
+        others.append(f"cuda:{(main + 1) % torch.cuda.device_count()}")
+    pipe = load_pipeline(package, device=device, dtypes={"transformer": "fp32", "text_encoder": "fp32"})
+    runs = []
+    try:
+        reference = pipe.generate("a red fox in the snow", image=image, **TINY_RUN)
+        for other in others:
+            for mode in ("none", "model"):
+                pipe.set_offload(mode, devices={"text_encoder": other, "vae": other})
+                pipe._prompt_cache.clear()
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                frames = pipe.generate("a red fox in the snow", image=image, **TINY_RUN)
+                diff = np.abs(frames.astype(np.float64) - reference.astype(np.float64))
+                same_kind = other != "cpu" or device.type == "cpu"
+                entry = {"other": other, "mode": mode, "max_abs": float(diff.max()), "identical": bool(diff.max() == 0),
+                         "ok": bool(diff.max() == 0) if same_kind else bool(diff.mean() <= MEAN_BOUND and diff.max() <= MAX_BOUND)}
+                if device.type == "cuda":
+                    entry["dit_device_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
+                runs.append(entry)
+                log(f"placement text encoder + VAE on {other}, {mode}: max |diff| {diff.max():.3g}")
+    finally:
+        pipe.release()
+    return {"workload": dict(TINY_RUN, ti2v=True), "runs": runs}
+
+
 def moe_check(device, size: str) -> dict:
     from bench.moe_ffn import run
 
@@ -414,6 +452,8 @@ def verdict(report: dict) -> bool:
         checks += [res["repeats_identical"], res["frames_finite"]]
         if res.get("same_as", {}).get("equal") is not None:
             checks.append(res["same_as"]["equal"])
+    if "placement" in report:
+        checks += [r["ok"] for r in report["placement"]["runs"]]
     if "moe" in report:
         checks.append(report["moe"]["bit_identical_to_before"].get("slices", False))
     return bool(checks) and all(checks)
@@ -460,6 +500,14 @@ def markdown(report: dict) -> str:
     if rel:
         lines += ["Locked host memory after each load was released (VmPin / VmLck MiB): "
                   + "; ".join(f"{x['load'][0]}...: {x['locked_mib']['VmPin']} / {x['locked_mib']['VmLck']}" for x in rel), ""]
+    pl = report.get("placement")
+    if pl:
+        lines += ["Placement (text encoder and VAE on another device, tiny fp32 TI2V), frames vs the default placement:", "",
+                  "| text encoder + VAE on | mode | max abs diff | DiT device peak MiB | ok |", "|---|---|---:|---:|:---:|"]
+        for r in pl["runs"]:
+            lines.append(f"| {r['other']} | {r['mode']} | {r['max_abs']:.3g} | {r.get('dit_device_peak_mib', '—')} | "
+                         f"{'yes' if r['ok'] else 'NO'} |")
+        lines.append("")
     moe = report.get("moe")
     if moe:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
@@ -488,7 +536,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, moe")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, moe")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     p.add_argument("--child-rows", default=None, help=argparse.SUPPRESS)  # internal: the allocator child's output
@@ -564,6 +612,13 @@ def main(argv=None) -> int:
                 rows_in_child(child, args, deadline, emit)
             for r in child if device.type != "cuda" else []:
                 emit({"name": r.name, "skipped": "CUDA only"})
+        if "placement" not in skip:
+            if time.perf_counter() > deadline:
+                report["placement_skipped"] = "time budget"
+            else:
+                log("placement check (tiny) ...")
+                report["placement"] = placement_check(device, Path(tmp))
+                write(report, out, t_start)
         if "moe" not in skip:
             if time.perf_counter() > deadline:
                 report["moe_skipped"] = "time budget"

@@ -106,3 +106,17 @@ def placements(requests, function) -> set:
 def assert_placed_on_hook_device(requests, functions):
     for fn in functions:
         assert placements(requests, fn) == {FAKE}, f"{fn} did not place its inputs on the hook's execution device"
+
+
+# -- two fake devices (components placed on different accelerators, lingbot_core/placement.py) -----
+
+FAKE_B = torch.device("cuda", 4)
+
+
+@contextmanager
+def fake_devices():
+    """Real placement on pretend CUDA devices: load or re-hook a pipeline with ``device=FAKE`` and
+    ``devices={...: FAKE_B}`` inside this context. Hooks are installed by the Offloader itself (nothing
+    is re-pointed); ``Tensor.to`` is recorded and a CUDA target returns the tensor unchanged."""
+    with recording_transfers() as requests:
+        yield requests

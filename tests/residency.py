@@ -19,6 +19,11 @@ model-offload onloads of a component that was not resident): the traffic a step 
 Probes (forward pre-hooks on inner modules) snapshot the resident set when each component actually
 computes, which also sees calls that bypass a top-level hook. Under sequential offload a probe fires
 before its module's weights stream in, so each streaming step also takes a ``"stream"`` snapshot.
+
+Per device (components placed on different accelerators, ``placement.py``): every onload is also
+recorded with the device the hook moved the weights to (``onloads``), and every snapshot also as
+``(component, device)`` pairs (``placed_snapshots``); ``resident_on(device)`` is the resident set of
+one device.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from collections import defaultdict
 from contextlib import ExitStack
 from unittest import mock
 
+import torch
 from accelerate.hooks import AlignDevicesHook, CpuOffload
 
 from lingbot_core.offload import StreamUnit
@@ -60,6 +66,8 @@ class ResidencyTracker:
         self._block_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
         self.max_blocks_resident = 0
         self.block_snapshots = []  # (block index, blocks resident, that block resident, input device)
+        self.onloads = []  # (component, device its weights were moved to)
+        self.placed_snapshots = []  # (probe, frozenset of (component, device) resident)
 
     # -- accounting --------------------------------------------------------------------------
 
@@ -102,6 +110,7 @@ class ResidencyTracker:
                 tracker.resident.add(name)
                 tracker.pre_forward_calls[name] += 1
                 tracker.events.append(("onload", name))
+                tracker.onloads.append((name, torch.device(hook.execution_device)))
             tracker._update_peak()
             return orig_pre(hook, module, *args, **kwargs)
 
@@ -118,6 +127,7 @@ class ResidencyTracker:
                 if name is not None:
                     tracker.streamed[name] += _nbytes(module, hook.place_submodules)
                     tracker.bytes_moved += _nbytes(module, hook.place_submodules)
+                    tracker.onloads.append((name, torch.device(hook.execution_device)))
                     tracker._update_peak()
                     tracker._snap("stream")  # probes fire before a module streams in; this sees it loaded
             return orig_align_pre(hook, module, *args, **kwargs)
@@ -137,6 +147,7 @@ class ResidencyTracker:
             if not unit.on_device:
                 tracker.bytes_moved += nbytes
             tracker.units[id(unit)] = (nbytes, blocks)
+            tracker.onloads.append(("transformer", torch.device(device)))
             tracker.events.append(("unit_onload", unit.label))
             tracker.max_blocks_resident = max(tracker.max_blocks_resident, len(tracker.blocks_resident()))
             tracker._update_peak()
@@ -171,6 +182,14 @@ class ResidencyTracker:
 
     def _snap(self, probe):
         self.snapshots.append((probe, self.current()))
+        self.placed_snapshots.append((probe, self.placed()))
+
+    def placed(self) -> frozenset:
+        """The resident components with their execution devices."""
+        return frozenset((name, self.pipe.offloader.execution_device(name)) for name in self.current())
+
+    def resident_on(self, device) -> frozenset:
+        return frozenset(name for name, d in self.placed() if d == torch.device(device))
 
     def __exit__(self, *exc):
         self._stack.close()
@@ -185,6 +204,8 @@ class ResidencyTracker:
         self.snapshots.clear()
         self.events.clear()
         self.block_snapshots.clear()
+        self.onloads.clear()
+        self.placed_snapshots.clear()
 
 
 def blocks_of(transformer):

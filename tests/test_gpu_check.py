@@ -56,3 +56,5 @@ def test_gpu_check_tiny_cpu(tmp_path):
         assert 0 < x["mean_abs"] <= x["max_abs"] <= 0.25, x
     assert report["moe"]["bit_identical_to_before"]["slices"]
     assert "| dense-bf16-block | dense | bf16 | block K=0 | native |" in md
+    assert [(r["other"], r["mode"], r["identical"]) for r in report["placement"]["runs"]] == [
+        ("cpu", "none", True), ("cpu", "model", True)]  # on a CPU host "another device" is the same one

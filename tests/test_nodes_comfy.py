@@ -51,7 +51,8 @@ WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
 PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
               "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
-              "LingbotNegativePrompt", "LingbotSpeedOptions", "LoadLingbotLoRA")
+              "LingbotNegativePrompt", "LingbotSpeedOptions", "LoadLingbotLoRA", "LingbotRemoteServer",
+              "LingbotRemoteGenerate")
 DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 
 # Tiny sizes (height x width); the refiner needs >= 5 frames.
@@ -275,7 +276,12 @@ def check_ui_format(wf: dict, object_info: dict) -> None:
         assert n["properties"]["Node name for S&R"] == n["type"]
         info = object_info[n["type"]]
         assert [o["type"] for o in n["outputs"]] == list(info["output"]), n["type"]
-        assert len(n["widgets_values"]) == _widget_count(_ordered_inputs(info), info), n["type"]
+        # A workflow saved before an optional input existed has no value for it (the frontend gives it the
+        # default): any prefix of the optional widgets is accepted, nothing less than the required ones.
+        ordered = _ordered_inputs(info)
+        required = len(info["input"].get("required") or {})
+        allowed = {_widget_count(ordered[:k], info) for k in range(required, len(ordered) + 1)}
+        assert len(n["widgets_values"]) in allowed, n["type"]
         specs = _inputs(info)
         for inp in n["inputs"]:
             name = (inp.get("widget") or {}).get("name") or inp["name"]

@@ -1,0 +1,484 @@
+"""A client for the OpenAI-style Videos API of SGLang Diffusion and vLLM-Omni serving LingBot-Video.
+
+One job is: ``POST /v1/videos`` (multipart, every sampling parameter sent explicitly, since both
+servers default to other settings than the pack), poll ``GET /v1/videos/{id}`` until ``completed``
+or ``failed``, then ``GET /v1/videos/{id}/content`` (an mp4) and decode it with PyAV. Everything
+runs under one deadline (``timeout``): a server that is down, stuck or slow raises instead of
+hanging the caller. A job the caller abandons (its callback raised, or the deadline passed) is
+deleted on the server: vLLM-Omni cancels it, SGLang only forgets it (the render runs on).
+
+Standard library HTTP only (urllib), as the chat client.
+"""
+
+from __future__ import annotations
+
+import http.client
+import io
+import json
+import logging
+import math
+import socket
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import uuid
+from dataclasses import dataclass
+from typing import Callable, List, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .chat_client import _preview
+from .latents import check_video_size, preprocess_first_frame
+from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
+from .scheduling import shifted_sigmas
+from .text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
+
+logger = logging.getLogger("lingbot_core")
+
+# A 121-frame 1080p H.264 render is tens of MB; anything near this is not a video of ours.
+DEFAULT_MAX_VIDEO_BYTES = 1 << 30
+MIN_POLL_SECONDS, MAX_POLL_SECONDS = 0.05, 60.0
+CANCEL_TIMEOUT = 10.0  # seconds a cancel may take, even after the deadline
+_CHUNK = 1 << 20
+DONE, FAILED = "completed", "failed"
+RUNNING = ("queued", "in_progress", "processing", "pending", "running")
+
+# ``callback(progress, total)``: ``progress`` of ``total`` (100) after every poll. Raising from it (e.g.
+# ComfyUI's interrupt) cancels the job on the server and re-raises.
+ProgressCallback = Callable[[float, int], None]
+
+
+class RemoteServerError(RuntimeError):
+    """The server could not be reached, refused the job, failed it, or sent something unusable.
+
+    ``url``, ``status`` (HTTP, or None), ``job_id`` (or None) and ``server_message`` (the first 300
+    characters of what the server said) are also in the message."""
+
+    def __init__(self, message: str, *, url: str, status: Optional[int] = None, job_id: Optional[str] = None,
+                 server_message: str = ""):
+        super().__init__(message)
+        self.url, self.status, self.job_id, self.server_message = url, status, job_id, server_message
+
+
+class RemoteJobFailed(RemoteServerError):
+    """The server reports the job as failed (nothing is left running there)."""
+
+
+class RemoteTimeoutError(RemoteServerError):
+    """The job did not finish within the client's ``timeout`` (it was cancelled on the server)."""
+
+
+@dataclass
+class RemoteVideo:
+    """A finished job: the decoded frames, the server's mp4 exactly as sent, and the final job object."""
+
+    frames: np.ndarray  # (T, H, W, 3) float32 in [0, 1]
+    mp4: bytes
+    job: dict
+    url: str
+    elapsed_s: float
+
+    def report(self) -> str:
+        job = self.job
+        parts = [f"job {job.get('id')} on {self.url} (model {job.get('model')!r}): {job.get('status')}",
+                 f"{self.frames.shape[0]} frames {self.frames.shape[2]}x{self.frames.shape[1]}, {len(self.mp4):,} bytes of mp4",
+                 f"inference_time_s={job.get('inference_time_s', 'not reported')}",
+                 f"peak_memory_mb={job.get('peak_memory_mb', 'not reported')}",
+                 f"round trip {self.elapsed_s:.1f} s"]
+        return "; ".join(parts)
+
+
+def _server_message(raw: bytes) -> str:
+    """The human part of an error answer: OpenAI/vLLM ``{"error": {"code", "message"}}``, SGLang
+    ``{"error": {"message"}}``, a failed job's ``error``, FastAPI ``{"detail": ...}``, else the text."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return _preview(raw)
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            code = err.get("code")
+            return _preview((f"[{code}] " if code not in (None, "") else "") + str(err["message"]))
+        if isinstance(err, str) and err:
+            return _preview(err)
+        detail = body.get("detail")
+        if isinstance(detail, str):
+            return _preview(detail)
+        if isinstance(detail, list):
+            return _preview("; ".join(str(d.get("msg", d)) if isinstance(d, dict) else str(d) for d in detail))
+        if isinstance(body.get("message"), str):
+            return _preview(body["message"])
+    return _preview(raw)
+
+
+def _job_body(raw: bytes) -> Optional[dict]:
+    """A video object, when ``raw`` is one (vLLM-Omni sends the job with a non-200 status for a failed job)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    if isinstance(body, dict) and isinstance(body.get("status"), str) and ("id" in body or body.get("object") == "video"):
+        return body
+    return None
+
+
+def encode_multipart(fields: List[Tuple[str, str]], files: List[Tuple[str, str, str, bytes]]) -> Tuple[bytes, str]:
+    """``multipart/form-data`` (RFC 7578) for text ``fields`` and ``files`` (name, filename, type, data);
+    returns the body and its Content-Type."""
+    boundary = "lingbot-" + uuid.uuid4().hex
+    out = io.BytesIO()
+    for name, value in fields:
+        out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"\r\n'
+                  'Content-Type: text/plain; charset=utf-8\r\n\r\n'.encode("utf-8"))
+        out.write(value.encode("utf-8") + b"\r\n")
+    for name, filename, content_type, data in files:
+        out.write(f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"; filename="{filename}"\r\n'
+                  f"Content-Type: {content_type}\r\n\r\n".encode("utf-8"))
+        out.write(data + b"\r\n")
+    out.write(f"--{boundary}--\r\n".encode("utf-8"))
+    return out.getvalue(), f"multipart/form-data; boundary={boundary}"
+
+
+def decode_mp4(data: bytes) -> np.ndarray:
+    """Every frame of the first video stream as (T, H, W, 3) float32 in [0, 1] (``uint8 / 255``)."""
+    import av
+
+    frames = []
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise ValueError("the file has no video stream")
+        for frame in container.decode(video=0):
+            frames.append(frame.to_ndarray(format="rgb24"))
+    if not frames:
+        raise ValueError("the video stream has no frames")
+    return np.stack(frames).astype(np.float32) / np.float32(255.0)
+
+
+def _png(pixels) -> bytes:
+    """(1, 3, 1, H, W) float in [0, 1] (already uint8 values) -> PNG bytes."""
+    from PIL import Image
+
+    arr = (pixels[0, :, 0].permute(1, 2, 0).clamp(0, 1) * 255).round().to(torch.uint8).numpy()
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _number(value) -> str:
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class RemoteServer:
+    """Where a LingBot-Video Videos-API server is, and how long to wait for it.
+
+    ``base_url`` is the server's root (``http://host:30000`` for SGLang, ``http://host:8091`` for
+    vLLM-Omni; a trailing ``/v1`` is accepted). ``model`` is the served name (vLLM-Omni refuses
+    another). ``api_key`` is the key itself (hosts read it from an environment variable; it is never
+    part of ``repr``). ``timeout`` bounds a whole job, from submit to the last byte of the mp4;
+    ``poll_seconds`` is the interval between status requests.
+    """
+
+    def __init__(self, base_url: str, model: str, api_key: Optional[str] = None, timeout: float = 600,
+                 poll_seconds: float = 2, *, max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES):
+        url = (base_url or "").strip().rstrip("/")
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
+            raise ValueError(f"base_url {base_url!r} is not an http(s) server address; use the server's root, "
+                             "e.g. http://127.0.0.1:30000 (SGLang) or http://127.0.0.1:8091 (vLLM-Omni).")
+        if url.endswith("/v1"):
+            url = url[: -len("/v1")]
+        if not isinstance(model, str) or not model.strip():
+            raise ValueError("model is empty; use the name the server serves, e.g. robbyant/lingbot-video-moe-30b-a3b "
+                             "(vLLM-Omni answers 'Model mismatch' to any other).")
+        timeout, poll_seconds = float(timeout), float(poll_seconds)
+        if not math.isfinite(timeout) or timeout <= 0:
+            raise ValueError(f"timeout={timeout} is not allowed: use a positive number of seconds.")
+        if not math.isfinite(poll_seconds) or not MIN_POLL_SECONDS <= poll_seconds <= MAX_POLL_SECONDS:
+            raise ValueError(f"poll_seconds={poll_seconds} is not allowed: use {MIN_POLL_SECONDS} to {MAX_POLL_SECONDS:g} s.")
+        self.base_url = url
+        self.model = model.strip()
+        self._api_key = api_key or None
+        self.timeout = timeout
+        self.poll_seconds = poll_seconds
+        self.max_video_bytes = int(max_video_bytes)
+
+    def __repr__(self) -> str:
+        key = ", api_key=<set>" if self._api_key else ""
+        return f"RemoteServer({self.base_url!r}, model={self.model!r}{key}, timeout={self.timeout:g})"
+
+    # -- one job -----------------------------------------------------------------------------
+
+    def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int, height: int,
+                 num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int, fps: int,
+                 callback: Optional[ProgressCallback] = None) -> np.ndarray:
+        """Render on the server; returns frames (T, H, W, 3) float32 in [0, 1] (see :meth:`run`)."""
+        return self.run(prompt, negative_prompt=negative_prompt, image=image, width=width, height=height,
+                        num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
+                        fps=fps, callback=callback).frames
+
+    def run(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int, height: int,
+            num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int, fps: int,
+            callback: Optional[ProgressCallback] = None, use_caption_duration: bool = False) -> RemoteVideo:
+        """Submit, wait and download; returns the frames, the mp4 bytes and the final job.
+
+        The inputs are checked with the local pipeline's rules before anything is sent. ``negative_prompt``
+        None sends the model's default negative (the servers' defaults may differ). ``image`` (the TI2V
+        first frame, any size) is scaled to cover and centre-cropped to ``width x height`` exactly as for
+        local generation, and sent as the ``input_reference`` PNG. With ``use_caption_duration`` a JSON
+        caption's ``duration`` sets ``num_frames`` (the local rule).
+        """
+        fields, files = self.request_fields(prompt, negative_prompt=negative_prompt, image=image, width=width,
+                                            height=height, num_frames=num_frames, steps=steps,
+                                            guidance_scale=guidance_scale, shift=shift, seed=seed, fps=fps,
+                                            use_caption_duration=use_caption_duration)
+        expected = (int(dict(fields)["num_frames"]), height, width)
+        start = time.monotonic()
+        deadline = start + self.timeout
+        body, content_type = encode_multipart(fields, files)
+        job = self._submit(body, content_type, deadline)
+        job_id = str(job["id"])
+        seen = {"in_progress": job.get("status") == "in_progress"}
+        try:
+            job = self._wait(job, deadline, callback, seen)
+        except RemoteJobFailed:
+            raise
+        except BaseException as e:  # interrupt, deadline, lost connection: do not leave the job running
+            note = self.cancel(job_id, saw_progress=seen["in_progress"])
+            if isinstance(e, RemoteServerError):
+                e.args = (e.args[0] + f" The job was deleted on the server ({note}).",)
+            raise
+        mp4 = self._download(job_id, deadline)
+        try:
+            frames = decode_mp4(mp4)
+        except Exception as e:  # av.error.InvalidDataError and friends
+            url = self._url(f"/v1/videos/{job_id}/content")
+            raise RemoteServerError(
+                f"the video of job {job_id} from {url} is not a readable mp4 ({type(e).__name__}: {_preview(str(e))}); "
+                f"{len(mp4):,} bytes arrived. The file may be truncated: check the server's disk and logs, then queue again.",
+                url=url, status=200, job_id=job_id, server_message=_preview(str(e))) from None
+        got = (frames.shape[0], frames.shape[1], frames.shape[2])
+        if got != expected:
+            raise RemoteServerError(
+                f"job {job_id} on {self.base_url} sent {got[0]} frames of {got[2]}x{got[1]} but {expected[0]} frames of "
+                f"{expected[2]}x{expected[1]} were asked for; the server may not honour num_frames/width/height "
+                "(check its version and model).", url=self.base_url, status=200, job_id=job_id)
+        return RemoteVideo(frames, mp4, job, self.base_url, time.monotonic() - start)
+
+    def request_fields(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int,
+                       height: int, num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int,
+                       fps: int, use_caption_duration: bool = False):
+        """The multipart text fields and files for one job, after the local checks (nothing is sent)."""
+        parsed = parse_prompt(prompt)
+        for warning in parsed.warnings:
+            logger.warning("remote prompt: %s", warning)
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps) or fps <= 0:
+            raise ValueError(f"fps={fps!r} is not allowed: use a positive number of frames per second (24 is the default).")
+        num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
+        check_video_size(num_frames, height, width)
+        steps, seed = _check_steps(steps), _check_seed(seed)
+        shifted_sigmas(steps, float(shift))  # refuses a shift that is not finite and > 0
+        _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)
+        files = []
+        if image is not None:
+            check_ti2v_size(height, width)
+            files.append(("input_reference", "first_frame.png", "image/png",
+                          _png(preprocess_first_frame(image, height, width))))
+        fields = [("model", self.model), ("prompt", parsed.text),
+                  ("negative_prompt", resolve_negative(negative_prompt, num_frames)),
+                  ("width", str(int(width))), ("height", str(int(height))), ("size", f"{int(width)}x{int(height)}"),
+                  ("num_frames", str(int(num_frames))), ("fps", _number(fps)), ("seed", str(seed)),
+                  ("num_inference_steps", str(steps)), ("guidance_scale", _number(float(guidance_scale))),
+                  ("flow_shift", _number(float(shift)))]
+        return fields, files
+
+    # -- HTTP ---------------------------------------------------------------------------------
+
+    def _url(self, path: str) -> str:
+        return self.base_url + path
+
+    def _request(self, method: str, path: str, deadline: float, *, data: Optional[bytes] = None,
+                 headers: Optional[dict] = None, job_id: Optional[str] = None, minimum: float = 0.0):
+        """``(status, headers, response)``: ``response`` is open (the caller reads and closes it). Non-2xx
+        answers are returned, not raised; connection failures and timeouts raise RemoteServerError."""
+        url = self._url(path)
+        remaining = max(deadline - time.monotonic(), minimum)
+        if remaining <= 0:
+            raise self._timed_out(url, job_id)
+        all_headers = {"Accept": "application/json"}
+        if self._api_key:
+            all_headers["Authorization"] = f"Bearer {self._api_key}"
+        all_headers.update(headers or {})
+        request = urllib.request.Request(url, data=data, headers=all_headers, method=method)
+        try:
+            response = urllib.request.urlopen(request, timeout=remaining)
+            return response.status, response.headers, response
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e
+        except (socket.timeout, TimeoutError):
+            raise self._timed_out(url, job_id) from None
+        except urllib.error.URLError as e:
+            if isinstance(e.reason, (socket.timeout, TimeoutError)):
+                raise self._timed_out(url, job_id) from None
+            raise RemoteServerError(f"cannot reach the video server at {url} ({e.reason}); start the server "
+                                    "(see README: Rendering on a GPU server), or fix base_url.",
+                                    url=url, job_id=job_id, server_message=str(e.reason)) from None
+        except (ConnectionError, OSError) as e:
+            raise RemoteServerError(f"the connection to the video server at {url} failed ({e}); check the server.",
+                                    url=url, job_id=job_id, server_message=str(e)) from None
+
+    def _read(self, response, url: str, deadline: float, job_id: Optional[str], limit: int = 1 << 22) -> bytes:
+        chunks, total = [], 0
+        try:
+            with response:
+                while True:
+                    if time.monotonic() > deadline:
+                        raise self._timed_out(url, job_id)
+                    chunk = response.read(min(_CHUNK, limit + 1 - total))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    total += len(chunk)
+                    if total > limit:
+                        raise RemoteServerError(
+                            f"the answer of {url} (job {job_id}) is larger than {limit:,} bytes; refused. If the video "
+                            "really is that large, render fewer frames or a smaller size.", url=url,
+                            status=getattr(response, "status", None), job_id=job_id)
+        except (socket.timeout, TimeoutError):
+            raise self._timed_out(url, job_id) from None
+        except (ConnectionError, OSError, http.client.HTTPException) as e:
+            raise RemoteServerError(
+                f"the answer of {url} (job {job_id}) broke off after {total:,} bytes ({type(e).__name__}: {e}); the "
+                "server or the network dropped the connection. Queue again.", url=url, job_id=job_id,
+                server_message=_preview(str(e))) from None
+        return b"".join(chunks)
+
+    def _timed_out(self, url: str, job_id: Optional[str]) -> RemoteTimeoutError:
+        what = f"job {job_id}" if job_id else "the request"
+        return RemoteTimeoutError(
+            f"the video server at {url} did not finish {what} within timeout={self.timeout:g} s; raise timeout on the "
+            "Remote Server node (a 30B MoE render takes minutes), or check that the server is not stuck.",
+            url=url, job_id=job_id)
+
+    def _error(self, what: str, url: str, status: int, raw: bytes, job_id: Optional[str], hint: str = "") -> RemoteServerError:
+        message = _server_message(raw)
+        job = f" (job {job_id})" if job_id else ""
+        return RemoteServerError(f"{what}: {url} answered HTTP {status}{job}: {message}{hint}",
+                                 url=url, status=status, job_id=job_id, server_message=message)
+
+    def _submit(self, body: bytes, content_type: str, deadline: float) -> dict:
+        url = self._url("/v1/videos")
+        status, _, response = self._request("POST", "/v1/videos", deadline, data=body,
+                                            headers={"Content-Type": content_type})
+        raw = self._read(response, url, deadline, None)
+        if not 200 <= status < 300:
+            hint = " (is base_url the video server, and does it serve LingBot-Video?)" if status == 404 else ""
+            raise self._error("the video server refused the job", url, status, raw, None, hint)
+        job = _job_body(raw)
+        if job is None or not str(job.get("id", "")):
+            raise RemoteServerError(f"{url} answered HTTP {status} without a video job: {_preview(raw)}",
+                                    url=url, status=status, server_message=_preview(raw))
+        if job["status"] == FAILED:
+            raise self._failed(url, status, job)
+        return job
+
+    def _failed(self, url: str, status: int, job: dict) -> RemoteJobFailed:
+        err = job.get("error")
+        if isinstance(err, dict):
+            code = err.get("code")
+            message = (f"[{code}] " if code not in (None, "") else "") + str(err.get("message", ""))
+        else:
+            message = str(err or "no error message")
+        message = _preview(message)
+        return RemoteJobFailed(f"the video server failed job {job.get('id')}: {url} answered HTTP {status} with "
+                                 f"status 'failed': {message}", url=url, status=status, job_id=str(job.get("id")),
+                                 server_message=message)
+
+    def _wait(self, job: dict, deadline: float, callback: Optional[ProgressCallback], seen: dict) -> dict:
+        job_id = str(job["id"])
+        path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}"
+        url = self._url(path)
+        while True:  # bounded by ``deadline``: every request and every sleep stops at it
+            status = job.get("status")
+            progress = job.get("progress")
+            if callback is not None:
+                callback(float(progress) if isinstance(progress, (int, float)) and not isinstance(progress, bool)
+                         and math.isfinite(progress) else (100.0 if status == DONE else 0.0), 100)
+            if status == DONE:
+                return job
+            if status == FAILED:
+                raise self._failed(url, 200, job)
+            if status not in RUNNING:
+                raise RemoteServerError(f"{url} reports job {job_id} with status {status!r}, which is neither queued, "
+                                        "in progress, completed nor failed.", url=url, status=200, job_id=job_id,
+                                        server_message=_preview(json.dumps(job)))
+            pause = min(self.poll_seconds, deadline - time.monotonic())
+            if pause <= 0:
+                raise self._timed_out(url, job_id)
+            time.sleep(pause)
+            code, _, response = self._request("GET", path, deadline, job_id=job_id)
+            raw = self._read(response, url, deadline, job_id)
+            polled = _job_body(raw)
+            if polled is None or not 200 <= code < 300:
+                if polled is not None and polled.get("status") in (FAILED, DONE, *RUNNING):
+                    # vLLM-Omni answers a failed job with a non-200 status and the job body.
+                    raise self._failed(url, code, {**polled, "status": FAILED, "id": polled.get("id", job_id)})
+                raise self._error(f"could not read the state of job {job_id}", url, code, raw, job_id,
+                                  " (the server may have restarted and lost the job; queue again)" if code == 404 else "")
+            job = polled
+            seen["in_progress"] = seen["in_progress"] or job.get("status") == "in_progress"
+
+    def _download(self, job_id: str, deadline: float) -> bytes:
+        path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}/content"
+        url = self._url(path)
+        status, headers, response = self._request("GET", path, deadline, job_id=job_id,
+                                                  headers={"Accept": "video/mp4"})
+        if not 200 <= status < 300:
+            raw = self._read(response, url, deadline, job_id)
+            raise self._error(f"could not download the video of job {job_id}", url, status, raw, job_id)
+        content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type != "video/mp4":
+            response.close()
+            raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {content_type or 'none'!r}, not video/mp4; "
+                                    "is base_url a LingBot-Video server?", url=url, status=status, job_id=job_id,
+                                    server_message=content_type)
+        length = headers.get("Content-Length")
+        if length is not None and length.isdigit() and int(length) > self.max_video_bytes:
+            response.close()
+            raise RemoteServerError(f"{url} (job {job_id}) announced {int(length):,} bytes of video, more than the limit "
+                                    f"of {self.max_video_bytes:,}; refused.", url=url, status=status, job_id=job_id)
+        data = self._read(response, url, deadline, job_id, limit=self.max_video_bytes)
+        if length is not None and length.isdigit() and len(data) != int(length):
+            raise RemoteServerError(f"the video of job {job_id} from {url} is truncated: {len(data):,} of {int(length):,} "
+                                    "bytes arrived. Queue again.", url=url, status=status, job_id=job_id)
+        return data
+
+    def cancel(self, job_id: str, *, saw_progress: bool = False) -> str:
+        """Delete the job on the server (never raises); returns and logs what happened.
+
+        vLLM-Omni stops a deleted job; SGLang only removes its record and the render runs to its end, so
+        its GPU stays busy. The API does not say which one answered: a server that reported
+        ``in_progress`` (only vLLM-Omni does) is taken to cancel."""
+        path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}"
+        url = self._url(path)
+        try:
+            status, _, response = self._request("DELETE", path, time.monotonic() + CANCEL_TIMEOUT, job_id=job_id,
+                                                minimum=CANCEL_TIMEOUT)
+            raw = self._read(response, url, time.monotonic() + CANCEL_TIMEOUT, job_id)
+        except RemoteServerError as e:
+            note = f"could not delete job {job_id} at {url}: {e}"
+            logger.warning("LingBot-Video remote: %s", note)
+            return note
+        if status == 409:
+            note = f"job {job_id}: {url} is already cancelling it (HTTP 409)"
+        elif not 200 <= status < 300:
+            note = f"job {job_id}: DELETE {url} answered HTTP {status}: {_server_message(raw)}"
+        elif saw_progress:
+            note = f"job {job_id} cancelled on {url}"
+        else:
+            note = (f"job {job_id} deleted on {url}; an SGLang Diffusion server only forgets a deleted job and keeps "
+                    "rendering it until it is done (vLLM-Omni cancels it)")
+        logger.warning("LingBot-Video remote: %s.", note)
+        return note
