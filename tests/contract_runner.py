@@ -34,21 +34,6 @@ def contract_report(package, workdir: Path, timeout: float = 300) -> dict:
     return _CACHE[key]
 
 
-def _header_bytes(package: Path) -> int:
-    """Weight bytes of the pipeline as the CPU loads it (fp32 package, "auto" = fp32): every tensor's
-    element count from the safetensors headers, read here with the json module."""
-    import numpy as np
-
-    total = 0
-    for sub in ("transformer", "text_encoder", "vae"):
-        for path in (package / sub).glob("*.safetensors"):
-            with open(path, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            header.pop("__metadata__", None)
-            total += sum(4 * int(np.prod(t["shape"])) for t in header.values())
-    return total
-
-
 def _call(obs: dict, name: str, fn):
     try:
         value = fn()
@@ -89,6 +74,7 @@ def main(out: str, base: str, package: str) -> None:
     import importlib
 
     from comfy_inprocess import InProcessComfy
+    from header_bytes import fp32_weight_bytes
 
     package = Path(package)
     comfy = InProcessComfy(base, models={"lingbot-tiny-dense": package})
@@ -97,7 +83,7 @@ def main(out: str, base: str, package: str) -> None:
     cm = importlib.import_module(pack_nodes + ".comfy_memory")
     pool = cm.pipe_pool()
     device = mm.get_torch_device()
-    report = {"comfyui_version": cm.comfyui_version(), "header_bytes": _header_bytes(package), "modes": {}}
+    report = {"comfyui_version": cm.comfyui_version(), "header_bytes": fp32_weight_bytes(package), "modes": {}}
 
     # A loaded pipeline per offload mode (one copy of the weights, re-hooked), and a released one.
     for mode in ("none", "model", "sequential", "block"):

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from comfy_host import ComfyServer, comfyui_unavailable_reason, executed_nodes
+from header_bytes import fp32_weight_bytes
 
 pytestmark = pytest.mark.comfy
 
@@ -47,16 +48,8 @@ def _ram_kib(field: str, pid: int) -> int:
 
 
 def _weights_bytes(package: Path, transformer: str) -> int:
-    """The weights of one pipeline as the CPU loads them ("auto" = fp32): every tensor's element count
-    from the safetensors headers (read here with the json module, not with the pack's code) x 4 bytes."""
-    total = 0
-    for sub in (transformer, "text_encoder", "vae"):
-        for path in (package / sub).glob("*.safetensors"):
-            with open(path, "rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            header.pop("__metadata__", None)
-            total += sum(4 * int(np.prod(t["shape"])) for t in header.values())
-    return total
+    """The weights of one pipeline as the CPU loads them (tests/header_bytes.py: from the headers)."""
+    return fp32_weight_bytes(package, transformer)
 
 
 @pytest.fixture(scope="module")
