@@ -30,7 +30,11 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    DiT (``cpu``; and ``cuda:1`` when a second GPU is present), offload ``none`` and ``model``, against the
    default placement on the same loaded copy: frames bit-identical on a second GPU of the same kind, within
    the precision bounds with the CPU; on CUDA the DiT device's peak memory per placement.
-4. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
+4. **speed** (CUDA only; issue 17): ``bench.speed.device_rows`` on the dense package, TI2V 320x192x49
+   (``--speed-steps``, default 20): attention sdpa / flash_attn / sage (those installed), compile on /
+   off, ``block`` K=0 with and without CFG lockstep, step cache 0.05 and 0.1: time and peak VRAM as
+   ratios to the plain run, and the max frame difference against it.
+5. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
    the bits of the per-slice path on this device).
 
 TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 420) stops starting new rows once
@@ -93,6 +97,7 @@ class Row:
     same_as: Optional[str] = None
     load: Dict[str, object] = field(default_factory=dict)
     generate: Dict[str, object] = field(default_factory=dict)
+    cuda_steps: Optional[int] = None  # steps on CUDA when they differ from the CPU smoke run's
 
     def load_key(self) -> tuple:
         return (self.allocator, self.package, self.precision, json.dumps(self.load, sort_keys=True))
@@ -112,6 +117,10 @@ ROWS: List[Row] = [
     Row("moe-fp8-block", "moe", "fp8_e4m3fn", "block"),
     Row("dense-fp8-none", "dense", "fp8_e4m3fn", "none"),
     Row("dense-fp8-block", "dense", "fp8_e4m3fn", "block"),
+    # Issue 16: the four-step LoRA (random, rank 128, LightX2V naming) against 40-step CFG, both in block K=0.
+    Row("moe-bf16-block-lora-4step", "moe", "bf16", "block", steps=4, load={"loras": [["@moe_lora", 1.0]]},
+        generate={"guidance_scale": 1.0, "shift": 3.0}),
+    Row("moe-bf16-block-40step-cfg", "moe", "bf16", "block", cuda_steps=40),
     Row("async-dense-bf16-none", "dense", "bf16", "none", allocator="cudaMallocAsync", same_as="dense-bf16-none"),
     Row("async-dense-bf16-block", "dense", "bf16", "block", repeats=3, allocator="cudaMallocAsync",
         same_as="dense-bf16-none"),
@@ -223,14 +232,33 @@ def packages(size: str, workdir: Path) -> Dict[str, Path]:
     if size == "tiny":
         from lingbot_core.fixtures import write_package
 
-        return {"dense": write_package(workdir / "tiny-dense", refiner=False),
-                "moe": write_package(workdir / "tiny-moe", moe=True, refiner=False, seed=1)}
+        moe = write_package(workdir / "tiny-moe", moe=True, refiner=False, seed=1)
+        return {"dense": write_package(workdir / "tiny-dense", refiner=False), "moe": moe,
+                "moe_lora": moe_lora(moe, workdir)}
     from bench.offload import ensure_full_package
 
     dense, _, build_s = ensure_full_package(workdir, tiled=True)
     if build_s:
         log(f"built the dense package in {build_s} s")
-    return {"dense": dense, "moe": ensure_moe_package(workdir, dense)}
+    moe = ensure_moe_package(workdir, dense)
+    return {"dense": dense, "moe": moe, "moe_lora": moe_lora(moe, workdir)}
+
+
+def moe_lora(moe: Path, workdir: Path) -> Path:
+    """A random rank-128 LoRA in the LightX2V four-step file's naming for ``moe``'s DiT (``bench.lora``)."""
+    from bench.lora import ensure_lora, lora_specs
+
+    cfg = json.loads((moe / "transformer" / "config.json").read_text())
+    return ensure_lora(workdir / f"{moe.name}-lora-lightx2v-r128.safetensors", lora_specs(cfg, cfg["depth"], moe=True))
+
+
+def resolve_load(load: dict, pkgs: Dict[str, Path]):
+    """A row's load options with ``"@name"`` strings replaced by the path of that built file."""
+    def one(v):
+        if isinstance(v, str) and v.startswith("@"):
+            return str(pkgs[v[1:]])
+        return [one(x) for x in v] if isinstance(v, (list, tuple)) else v
+    return {k: one(v) for k, v in load.items()}
 
 
 # -- parts -----------------------------------------------------------------------------------------
@@ -290,7 +318,8 @@ def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadlin
         first = group[0]
         t0 = time.perf_counter()
         pipe = load_pipeline(pkgs[first.package], offload="none", device=device,
-                             dtypes={"transformer": first.precision, "text_encoder": "bf16"}, **first.load)
+                             dtypes={"transformer": first.precision, "text_encoder": "bf16"},
+                             **resolve_load(first.load, pkgs))
         load_s = time.perf_counter() - t0
         try:
             pipe.generate(PROMPT, **dict(base, steps=1, **first.generate))  # warm-up: context, kernels, allocator
@@ -308,7 +337,7 @@ def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadlin
 def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt: str) -> dict:
     cuda = device.type == "cuda"
     pipe.set_offload(r.mode, device, blocks_on_gpu=r.blocks_on_gpu)
-    steps = r.steps or work["steps"]
+    steps = (r.cuda_steps if cuda and r.cuda_steps else None) or r.steps or work["steps"]
     shas, times = [], []
     te_calls = []
     hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: te_calls.append(1), with_kwargs=True)
@@ -536,7 +565,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, moe")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, moe")
+    p.add_argument("--speed-steps", type=int, default=20, help="steps of the speed part's workload (CUDA)")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
     p.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
     p.add_argument("--child-rows", default=None, help=argparse.SUPPRESS)  # internal: the allocator child's output
@@ -618,6 +648,18 @@ def main(argv=None) -> int:
             else:
                 log("placement check (tiny) ...")
                 report["placement"] = placement_check(device, Path(tmp))
+                write(report, out, t_start)
+        if "speed" not in skip:
+            if device.type != "cuda":
+                report["speed_skipped"] = "CUDA only (flash/sage kernels and compile gains are GPU questions)"
+            elif time.perf_counter() > deadline:
+                report["speed_skipped"] = "time budget"
+            else:
+                from bench.speed import device_rows
+
+                log("speed levers ...")
+                pkgs = packages(args.size, workdir_full if args.size == "full" else Path(tmp))
+                report["speed"] = device_rows(str(pkgs["dense"]), str(device), args.speed_steps, 192, 320, 49)
                 write(report, out, t_start)
         if "moe" not in skip:
             if time.perf_counter() > deadline:

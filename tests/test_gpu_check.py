@@ -9,7 +9,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("dense-bf16-none", "dense-bf16-block", "dense-bf16-block-repeats", "moe-bf16-none", "moe-fp8-none",
-        "moe-fp8-block", "async-dense-bf16-block")
+        "moe-fp8-block", "moe-bf16-block-lora-4step", "async-dense-bf16-block")
 
 
 def test_gpu_check_tiny_cpu(tmp_path):
@@ -44,7 +44,11 @@ def test_gpu_check_tiny_cpu(tmp_path):
         assert r["frames_finite"] and r["repeats_identical"] and len(r["generate_s"]) == r["repeats"]
         assert r["text_encoder_forwards"] >= r["repeats"]  # the prompt cache was cleared: the encoder ran each time
         assert r["rss_peak_mib"] >= r["rss_mib"] > 0 and r["pinned_bytes"] == 0  # nothing is pinned on a CPU
-    assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none"]
+    assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none",
+                                                                "moe-bf16-block-lora-4step"]
+    lora = rows["moe-bf16-block-lora-4step"]  # issue 16's row: the LoRA is applied and the run is 4 steps
+    assert lora["steps"] == 4 and lora["frames_sha256"] != rows["moe-bf16-none"]["frames_sha256"]
+    assert report["speed_skipped"].startswith("CUDA only")
     assert all(set(x["locked_mib"]) == {"VmPin", "VmLck"} for x in report["after_release"])
     assert rows["dense-bf16-block"]["same_as"] == {"row": "dense-bf16-none", "equal": True}
     assert rows["moe-fp8-block"]["same_as"] == {"row": "moe-fp8-none", "equal": True}
