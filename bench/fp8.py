@@ -52,22 +52,13 @@ def ensure_dit(workdir: Path) -> Path:
     """The full-size dense DiT (config + one safetensors file), built once."""
     import torch
 
-    from bench.offload import _write_safetensors
-    from lingbot_core.fixtures import DIFFUSERS_VERSION
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from bench.offload import write_random_dit
 
     root = workdir / f"lingbot-bench-dit-dense-full-v{DIT_VERSION}"
     if (root / "diffusion_pytorch_model.safetensors").is_file():
         return root
     partial = workdir / (root.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    with torch.device("meta"):
-        dit = LingBotVideoTransformer3DModel()
-    cfg = {"_class_name": "LingBotVideoTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION}
-    cfg.update({k: v for k, v in dict(dit.config).items() if not k.startswith("_")})
-    (partial / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
-    specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
-    _write_safetensors(partial, "diffusion_pytorch_model", specs, torch.Generator().manual_seed(0), None)
+    write_random_dit(partial, torch.Generator().manual_seed(0))
     partial.rename(root)
     return root
 

@@ -88,24 +88,14 @@ def ensure_moe_block(workdir: Path) -> Path:
     """A depth-1 DiT with one full-size MoE block (the MoE 30B-A3B's layer), bf16 with fp32 islands."""
     import torch
 
-    from bench.offload import _write_safetensors
-    from lingbot_core.fixtures import DIFFUSERS_VERSION
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from bench.offload import write_random_dit
 
     root = workdir / f"lingbot-bench-dit-moe-block-v{MOE_VERSION}"
     if (root / "diffusion_pytorch_model.safetensors").is_file():
         return root
     partial = workdir / (root.name + ".partial")
-    partial.mkdir(parents=True, exist_ok=True)
-    cfg_in = dict(depth=1, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, n_group=1, topk_group=1,
-                  n_shared_experts=1, routed_scaling_factor=2.5)
-    with torch.device("meta"):
-        dit = LingBotVideoTransformer3DModel(**cfg_in)
-    cfg = {"_class_name": "LingBotVideoTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION}
-    cfg.update({k: v for k, v in dict(dit.config).items() if not k.startswith("_")})
-    (partial / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
-    specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
-    _write_safetensors(partial, "diffusion_pytorch_model", specs, torch.Generator().manual_seed(0), None)
+    write_random_dit(partial, torch.Generator().manual_seed(0), depth=1, num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=768, n_group=1, topk_group=1, n_shared_experts=1, routed_scaling_factor=2.5)
     partial.rename(root)
     return root
 

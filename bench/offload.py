@@ -160,6 +160,26 @@ class TiledFill:
         return t
 
 
+def write_random_dit(folder: Path, gen, fill=None, **config) -> int:
+    """A DiT folder (config.json + one safetensors file) of ``LingBotVideoTransformer3DModel(**config)``
+    (class defaults: the released dense DiT) with random weights, bf16 with fp32 islands; returns its
+    parameter count. Built on the meta device, written one tensor at a time."""
+    import torch
+
+    from lingbot_core.fixtures import DIFFUSERS_VERSION
+    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+
+    with torch.device("meta"):
+        dit = LingBotVideoTransformer3DModel(**config)
+    cfg = {"_class_name": "LingBotVideoTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION}
+    cfg.update({k: v for k, v in dict(dit.config).items() if not k.startswith("_")})
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
+    specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
+    _write_safetensors(folder, "diffusion_pytorch_model", specs, gen, None, fill)
+    return sum(p.numel() for p in dit.parameters())
+
+
 def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optional[int], fill=None) -> None:
     """Write ``specs`` [(name, shape, dtype)] as one file or as shards + index, one shard in memory at a time.
     ``fill(name, shape, dtype, gen)`` makes each tensor (default :func:`_random_tensor`)."""

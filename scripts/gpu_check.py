@@ -196,9 +196,7 @@ def moe_dit_config(layers: int) -> dict:
 def ensure_moe_package(workdir: Path, dense: Path, layers: int = MOE_LAYERS) -> Path:
     """A MoE package: a full-width MoE DiT of ``layers`` blocks (tiled random weights, bf16 with fp32
     islands), the text encoder, VAE, processor and scheduler of ``dense`` by symlink. Cached."""
-    from bench.offload import TiledFill, _write_safetensors
-    from lingbot_core.fixtures import DIFFUSERS_VERSION
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from bench.offload import TiledFill, write_random_dit
 
     root = workdir / f"lingbot-gpu-check-moe{layers}-v{MOE_PACKAGE_VERSION}"
     if (root / "BUILD_INFO.json").is_file():
@@ -212,16 +210,9 @@ def ensure_moe_package(workdir: Path, dense: Path, layers: int = MOE_LAYERS) -> 
     partial.mkdir(parents=True)
     for name in ("model_index.json", "scheduler", "processor", "text_encoder", "vae"):
         (partial / name).symlink_to((dense / name).resolve())
-    with torch.device("meta"):
-        dit = LingBotVideoTransformer3DModel(**moe_dit_config(layers))
-    cfg = {"_class_name": "LingBotVideoTransformer3DModel", "_diffusers_version": DIFFUSERS_VERSION}
-    cfg.update({k: v for k, v in dict(dit.config).items() if not k.startswith("_")})
-    (partial / "transformer").mkdir()
-    (partial / "transformer" / "config.json").write_text(json.dumps(json.loads(json.dumps(cfg)), indent=2) + "\n")
-    specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
     gen = torch.Generator().manual_seed(1)
-    _write_safetensors(partial / "transformer", "diffusion_pytorch_model", specs, gen, None, TiledFill(gen))
-    info = {"layers": layers, "params": sum(p.numel() for p in dit.parameters()), "build_s": round(time.perf_counter() - t0, 1)}
+    params = write_random_dit(partial / "transformer", gen, TiledFill(gen), **moe_dit_config(layers))
+    info = {"layers": layers, "params": params, "build_s": round(time.perf_counter() - t0, 1)}
     (partial / "BUILD_INFO.json").write_text(json.dumps(info, indent=2) + "\n")
     partial.rename(root)
     log(f"built the {layers}-layer MoE package in {info['build_s']} s ({info['params']:,} DiT params)")
