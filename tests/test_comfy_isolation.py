@@ -68,6 +68,18 @@ def frames(server, entry) -> np.ndarray:
     return np.stack([np.asarray(Image.open(p).convert("RGB")) for p in files])
 
 
+# Each compared run loads the package again (/free or Unload came before it): another memory-map alignment,
+# which AVX2 kernels can round differently (issue 15 saw 9.3e-5 in fp32). Saved 8-bit frames may then differ
+# by a unit; anything beyond 2/255 is a real difference.
+MAX_PNG_DELTA = 2
+
+
+def assert_same_frames(a: np.ndarray, b: np.ndarray) -> None:
+    assert a.shape == b.shape
+    delta = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+    assert delta <= MAX_PNG_DELTA, f"frames differ by up to {delta}/255"
+
+
 def log_lines(server) -> list:
     return server.log_path.read_text(errors="replace").splitlines()
 
@@ -81,7 +93,7 @@ def test_memory_manager_failures_never_fail_a_node(fault_server):
     mark = len(log_lines(server))
     entry = server.run(graph(True, 24), timeout=300)  # fps is not used by TI2V without a caption duration
     faulty = frames(server, entry)
-    np.testing.assert_array_equal(faulty, reference)
+    assert_same_frames(faulty, reference)
     new = log_lines(server)[mark:]
     warnings = [line for line in new if "LingBot-Video: ComfyUI" in line and "failed (AttributeError" in line]
     # EncodeImageVAE (load + stage) and GenerateVideo each asked ComfyUI to free memory: said once.
@@ -100,5 +112,5 @@ def test_memory_manager_failures_never_fail_a_node(fault_server):
     # The Unload node still frees it too (faults on again during the stages of this prompt).
     mark = len(log_lines(server))
     entry = server.run(graph(True, next(_fps), unload=True), timeout=300)
-    np.testing.assert_array_equal(frames(server, entry), reference)
+    assert_same_frames(frames(server, entry), reference)
     assert any(f"unloaded {DENSE} (transformer)" in line for line in log_lines(server)[mark:])
