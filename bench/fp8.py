@@ -68,7 +68,7 @@ def truncated_dit(folder: Path, depth: int) -> Path:
     under 3 GB of RAM; read and written tensor by tensor."""
     from safetensors.torch import save_file
 
-    from lingbot_core.loading import SafetensorsReader
+    from lingbot_core.checkpoint_files import SafetensorsReader
 
     out = folder.parent / f"{folder.name}-depth{depth}"
     if (out / "diffusion_pytorch_model.safetensors").is_file():

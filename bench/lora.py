@@ -18,7 +18,7 @@ Each part runs in a fresh process (its own RSS):
    quantizing once, (c) merging into the fp8 weight (a second rounding).
 
 The ``apply`` path is the pack's own (``lora.read_stack`` + ``lora.apply_stack`` with the checkpoint read
-back by ``loading.checkpoint_tensor``), without a text encoder and VAE, which a LoRA does not touch.
+back by ``checkpoint_files.checkpoint_tensor``), without a text encoder and VAE, which a LoRA does not touch.
 """
 
 from __future__ import annotations
@@ -112,7 +112,8 @@ def _forward_inputs(config: dict):
 def run_part(folder: Path, lora: Path, dtype: str, reps: int) -> dict:
     import torch
 
-    from lingbot_core.loading import checkpoint_tensor, load_transformer
+    from lingbot_core.checkpoint_files import checkpoint_tensor
+    from lingbot_core.loading import load_transformer
     from lingbot_core.lora import apply_stack, lora_targets, read_stack
     from lingbot_core.memory import trim_heap
 

@@ -109,7 +109,7 @@ def _write_moe_dit(folder: Path, layers: int, seed: int) -> int:
 
 def block_bytes(package: Path) -> int:
     """Bytes of one DiT block (``blocks.0.*``) as stored, from the safetensors headers."""
-    from lingbot_core.memory import safetensors_header
+    from lingbot_core.checkpoint_files import safetensors_header
 
     itemsize = {"BF16": 2, "F16": 2, "F32": 4}
     total = 0

@@ -7,7 +7,8 @@ Weights are read from local folders only (``local_files_only=True`` everywhere):
 """
 
 from .latents import Posterior
-from .loading import DIT_DTYPES, ModelPackageError, load_pipeline
+from .checkpoint_files import ModelPackageError
+from .loading import DIT_DTYPES, load_pipeline
 from .offload import MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from .pipeline import ImageCondition, LingbotPipeline
 from .pipeline_pool import LazyPipeline, MemoryBudgetError, PipelinePool, PipelineSpec

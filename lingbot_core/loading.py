@@ -8,15 +8,18 @@ owns or trusts, with weights read from ``*.safetensors`` files alone.
 
 from __future__ import annotations
 
-import json
+import functools
 import logging
-import math
 import struct
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
 
+from .checkpoint_files import (
+    ModelPackageError, SafetensorsReader, check_readable, checkpoint_tensor, read_config, safetensors_files,
+    safetensors_header,
+)
 from .fp8 import (
     FP8_COMPUTE_DTYPE, FP8_DTYPES, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_name,
     scale_shape, stored_in_compute_dtype,
@@ -34,14 +37,9 @@ logger = logging.getLogger("lingbot_core")
 
 COMPONENTS = ("transformer", "text_encoder", "vae")
 TRANSFORMER_SUBFOLDERS = ("transformer", "refiner")
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 # Choices for the DiT: the above plus fp8 weight storage (computed in bf16).
 DIT_DTYPES = {**DTYPES, **FP8_DTYPES}
-
-
-class ModelPackageError(ValueError):
-    """A model folder that is missing a component or holds invalid weights; the message says which."""
 
 
 def default_dtypes(device: torch.device, capability=None, log: bool = False,
@@ -62,36 +60,6 @@ def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "")
         return allowed[value]
     where = f" for {component}" if component else ""
     raise ValueError(f"dtype {value!r} is not supported{where}; use one of {', '.join(allowed)} or a torch dtype.")
-
-
-def safetensors_files(folder: Path, component: str, stem: str) -> list:
-    """The safetensors files of a component (single file or the shards of an index); refuses pickles."""
-    index = folder / f"{stem}.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (ValueError, KeyError) as e:
-            raise ModelPackageError(f"{component}: {index.name} is not a valid safetensors index ({e}).") from None
-        files = sorted({folder / name for name in weight_map.values()})
-        for f in files:
-            if f.suffix != ".safetensors" or f.parent != folder:
-                raise ModelPackageError(f"{component}: the index names {f.name}, which is not a safetensors file in {folder}.")
-            if not f.is_file():
-                raise ModelPackageError(f"{component}: shard {f.name} listed in {index.name} is missing from {folder}.")
-        return files
-    single = folder / f"{stem}.safetensors"
-    if single.is_file():
-        return [single]
-    found = sorted(p.name for p in folder.glob("*.safetensors"))
-    if found:
-        return [folder / n for n in found]
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
-    if pickles:
-        raise ModelPackageError(
-            f"{component}: {folder} holds only pickle weights ({', '.join(pickles)}); they are refused because loading "
-            "them can run arbitrary code. Download the .safetensors files of the release instead."
-        )
-    raise ModelPackageError(f"{component}: no .safetensors weights found in {folder}.")
 
 
 def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer") -> LingBotVideoTransformer3DModel:
@@ -169,39 +137,6 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
     return model.eval().requires_grad_(False)
 
 
-def checkpoint_tensor(folder: Path, name: str, key: str, dtype: torch.dtype) -> torch.Tensor:
-    """One DiT tensor as :func:`load_transformer` produced it for a non-fp8 ``dtype`` (memory-mapped
-    when no conversion is needed): LoRA changes restore merged weights from it."""
-    from safetensors import SafetensorError
-
-    try:
-        for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
-            reader = SafetensorsReader(path)
-            if key not in reader.keys():
-                continue
-            tensor = reader.get(key)
-            scale = None
-            if scale_name(key) in reader.keys():
-                scale = checkpoint_scale(key, reader.get(scale_name(key)), reader.shape(key))
-            if scale is not None or is_fp8(tensor.dtype):
-                return dequantize(tensor, scale, dtype)
-            return tensor.to(dtype)
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ModelPackageError(f"{name}: could not read {key} again from {folder} ({e}); reload the pipeline.") from None
-    raise ModelPackageError(f"{name}: {key} is no longer in {folder}; the package changed since it was loaded, reload the pipeline.")
-
-
-def read_config(folder: Path, component: str) -> dict:
-    """A component's ``config.json``, with an error naming the component when it is missing or broken."""
-    config_path = Path(folder) / "config.json"
-    try:
-        return json.loads(config_path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ModelPackageError(f"{component}: {config_path} is missing.") from None
-    except ValueError as e:
-        raise ModelPackageError(f"{component}: {config_path} is not valid JSON ({e}).") from None
-
-
 def _transformer_on_meta(folder: Path, name: str) -> LingBotVideoTransformer3DModel:
     """The DiT described by ``config.json``, built on ``meta`` (no memory)."""
     config = read_config(folder, name)
@@ -244,8 +179,6 @@ def _check_complete(name: str, expected: dict, seen: set) -> None:
 def check_transformer(folder: Path, name: str = "transformer") -> None:
     """Every check of :func:`load_transformer` (config, tensor names and shapes, completeness), from the
     safetensors headers alone: a lazy loader reports a broken DiT before any weight is read."""
-    from .memory import safetensors_header
-
     expected = {k: v.shape for k, v in _transformer_on_meta(folder, name).state_dict().items()}
     seen = set()
     for path in safetensors_files(folder, name, "diffusion_pytorch_model"):
@@ -267,79 +200,6 @@ def check_transformer(folder: Path, name: str = "transformer") -> None:
 # Keys of community fp8 checkpoints that carry no weight (a format marker).
 IGNORED_CHECKPOINT_KEYS = frozenset({"scaled_fp8"})
 
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
-    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
-
-
-class SafetensorsReader:
-    """One safetensors file, tensor by tensor. Tensors kept as they are come memory-mapped (safetensors'
-    own reader: no copy, file-backed pages); tensors that are converted right away (bf16 -> fp8) are
-    read with plain file reads into one reused buffer, so a conversion holds only its results plus the
-    tensor being read. The header (JSON) is validated against the file size; nothing is executed."""
-
-    def __init__(self, path: Path):
-        self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise ModelPackageError(f"{self.path.name} is not a safetensors file (too short); download it again.")
-            n = int.from_bytes(head, "little")
-            if n > size - 8:
-                raise ModelPackageError(f"{self.path.name} has a header larger than the file; it may be truncated, download it again.")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise ModelPackageError(f"{self.path.name} has an invalid safetensors header ({e}).") from None
-        header.pop("__metadata__", None)
-        self._start = 8 + n
-        self._scratch = torch.empty(0, dtype=torch.uint8)
-        self._mapped = None
-        self._entries = {}
-        for key, info in header.items():
-            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-            begin, end = info.get("data_offsets", (0, -1))
-            shape = info.get("shape")
-            if dtype is None or shape is None:
-                raise ModelPackageError(f"{self.path.name}: tensor {key!r} has unsupported dtype {info.get('dtype')!r}.")
-            nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
-            if not 0 <= begin <= end or end - begin != nbytes or self._start + end > size:
-                raise ModelPackageError(f"{self.path.name}: tensor {key!r} lies outside the file; it may be truncated, download it again.")
-            self._entries[key] = (dtype, list(shape), begin, end)
-
-    def keys(self):
-        return list(self._entries)
-
-    def shape(self, key: str):
-        return self._entries[key][1]
-
-    def nbytes(self, key: str) -> int:
-        return self._entries[key][3] - self._entries[key][2]
-
-    def get(self, key: str, scratch: bool = False) -> torch.Tensor:
-        """The tensor ``key``, memory-mapped; with ``scratch``, read into a buffer that the next scratch
-        read reuses (for tensors converted right away: one allocation instead of one per tensor, which
-        would leave freed blocks in the C heap)."""
-        dtype, shape, begin, end = self._entries[key]
-        if not scratch:
-            from safetensors import safe_open
-
-            if self._mapped is None:
-                self._mapped = safe_open(str(self.path), framework="pt", device="cpu")
-            return self._mapped.get_tensor(key)
-        if self._scratch.numel() < end - begin:
-            self._scratch = torch.empty(end - begin, dtype=torch.uint8)
-        buf = self._scratch[:end - begin]
-        with open(self.path, "rb") as f:
-            f.seek(self._start + begin)
-            if f.readinto(memoryview(buf.numpy())) != end - begin:
-                raise ModelPackageError(f"{self.path.name}: tensor {key!r} could not be read completely; download the file again.")
-        return buf.view(dtype).reshape(shape)
-
-
 def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path:
     """Check the folder is a released package with safetensors weights for every component (cheap: no
     weights are read); raise a ModelPackageError naming what is missing."""
@@ -356,21 +216,8 @@ def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
     for sub, stem in ((transformer_subfolder, "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
         for path in safetensors_files(root / sub, sub, stem):
-            _check_readable(path, sub)
+            check_readable(path, sub)
     return root
-
-
-def _check_readable(path: Path, component: str) -> None:
-    """Open a safetensors file's header only (no tensor is read); a truncated file fails here."""
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu"):
-            pass
-    except (SafetensorError, OSError) as e:
-        raise ModelPackageError(
-            f"{component}: {path.name} is not a readable safetensors file ({e}); it may be truncated, download it again."
-        ) from None
 
 
 def check_loras(loras, model_dir, transformer_subfolder: str = "transformer"):
@@ -449,6 +296,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
+        checkpoint_weight=functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder),
     )
     if loras:
         try:

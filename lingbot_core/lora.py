@@ -32,8 +32,9 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .transformer import ADAPTER_PARAMS, Linear
 
 logger = logging.getLogger("lingbot_core")
 
@@ -43,8 +44,6 @@ LoraStack = Tuple[LoraEntry, ...]
 
 MAX_STRENGTH = 10.0
 # The adapter parameters a Linear carries (None when no LoRA touches it).
-ADAPTER_PARAMS = ("lora_down", "lora_up", "lora_diff", "lora_diff_b")
-
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "transformer.", "lora_unet_", "")
 # (down suffix, up suffix): the low-rank pairs seen across trainers (docs/lora.md section 3).
 PAIRS = (
@@ -230,7 +229,7 @@ def _no_match_error(path: str, keys: Sequence[str]) -> LoraError:
 
 def _open(path: str):
     """A header-checked reader (offsets inside the file, known dtypes); nothing is executed."""
-    from .loading import ModelPackageError, SafetensorsReader
+    from .checkpoint_files import ModelPackageError, SafetensorsReader
 
     p = Path(path)
     if p.suffix != ".safetensors":
@@ -445,8 +444,6 @@ def run_time_adapters(module: str, stack: Sequence[LoadedLora], dtype: torch.dty
 
 def lora_targets(model: nn.Module) -> Dict[str, nn.Module]:
     """The DiT's Linears a LoRA may target, by module name (the checkpoint's names)."""
-    from .transformer import Linear
-
     return {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
 
 
@@ -507,18 +504,3 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
                 merged.add(key)
                 report.merged += 1
     return report
-
-
-def adapter_output(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    """What a Linear's run-time adapters add to its output for input ``x`` (already in ``dtype``); None without."""
-    if module.lora_down is None and module.lora_diff is None and module.lora_diff_b is None:
-        return None
-    out = None
-    if module.lora_down is not None:
-        out = F.linear(F.linear(x, module.lora_down.to(dtype)), module.lora_up.to(dtype))
-    if module.lora_diff is not None or module.lora_diff_b is not None:
-        w = module.lora_diff.to(dtype) if module.lora_diff is not None else None
-        b = module.lora_diff_b.to(dtype) if module.lora_diff_b is not None else None
-        dense = F.linear(x, w, b) if w is not None else b.expand(*x.shape[:-1], b.shape[0])
-        out = dense if out is None else out + dense
-    return out

@@ -10,15 +10,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import json
 import logging
 import os
-import struct
 import sys
 from pathlib import Path
 from typing import Dict, Optional
 
 import torch
+
+from .checkpoint_files import safetensors_header
 
 logger = logging.getLogger("lingbot_core")
 
@@ -107,17 +107,6 @@ def return_freed_memory() -> None:
 # -- what a package costs --------------------------------------------------------------------------
 
 
-def safetensors_header(path) -> Dict[str, dict]:
-    """The tensor table of a safetensors file (reads only its JSON header)."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * MIB:
-            raise ValueError(f"{path}: safetensors header of {n} bytes is not plausible.")
-        header = json.loads(f.read(n))
-    header.pop("__metadata__", None)
-    return header
-
-
 def tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> int:
     """Bytes the tensors of ``path`` take once loaded with floating tensors cast to ``dtype``.
 
@@ -144,7 +133,7 @@ def _loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=No
 
 def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype]) -> int:
     """RAM the weights of one pipeline take at the given component dtypes (headers only, no weights read)."""
-    from .loading import safetensors_files
+    from .checkpoint_files import safetensors_files
     from .transformer import is_fp32_island
 
     root = Path(model_dir)
@@ -162,7 +151,7 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
 def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype) -> int:
     """Pinned host bytes offload ``block`` takes on a CUDA device: its staging buffers, each as large as
     the largest DiT block (tensors aligned as in the ring; headers only, no weights read)."""
-    from .loading import safetensors_files
+    from .checkpoint_files import safetensors_files
     from .offload import RING_ALIGN, RING_SLOTS
     from .transformer import is_fp32_island
 

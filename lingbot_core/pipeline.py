@@ -13,8 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -119,7 +118,8 @@ class LingbotPipeline:
     def __init__(self, transformer, text_encoder, processor, vae, scheduler_config: dict, *,
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
                  offload: str = "none", device=None, blocks_on_gpu: int = 0, attention: str = "sdpa",
-                 compile_blocks: bool = False, cfg_lockstep: bool = True, devices=None):
+                 compile_blocks: bool = False, cfg_lockstep: bool = True, devices=None,
+                 checkpoint_weight: Optional[Callable[[str, torch.dtype], torch.Tensor]] = None):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -127,6 +127,8 @@ class LingbotPipeline:
         self.scheduler_config = dict(scheduler_config)
         self.model_dir = model_dir
         self.transformer_subfolder = transformer_subfolder
+        # (key, dtype) -> the DiT tensor as loaded, read again from its file: LoRA changes restore from it.
+        self._checkpoint_weight = checkpoint_weight
         self.normalizer = LatentNormalizer(vae.config.latents_mean, vae.config.latents_std)
         self.crop_start = template_crop_start(processor)
         self._prompt_cache: "OrderedDict[tuple, PromptEmbeds]" = OrderedDict()
@@ -238,11 +240,9 @@ class LingbotPipeline:
                     self.transformer_subfolder, describe_stack(stack), report.merged, report.restored, report.run_time)
 
     def _checkpoint_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        from .loading import checkpoint_tensor
-
-        if self.model_dir is None:
+        if self._checkpoint_weight is None:
             raise RuntimeError("this pipeline was not loaded from a package; its original weights cannot be restored.")
-        return checkpoint_tensor(Path(self.model_dir) / self.transformer_subfolder, self.transformer_subfolder, key, dtype)
+        return self._checkpoint_weight(key, dtype)
 
     def release(self) -> None:
         """Remove hooks and drop every component; the pipeline is unusable afterwards."""

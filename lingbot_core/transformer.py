@@ -26,7 +26,6 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
 from .precision import grouped_mm_fast
-from .lora import ADAPTER_PARAMS, adapter_output
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -39,6 +38,25 @@ FP32_ISLANDS = frozenset(
 
 def is_fp32_island(name: str) -> bool:
     return any(part in FP32_ISLANDS for part in name.split("."))
+
+
+# Run-time LoRA adapters a Linear may carry (built by lingbot_core.lora; None when absent).
+ADAPTER_PARAMS = ("lora_down", "lora_up", "lora_diff", "lora_diff_b")
+
+
+def adapter_output(module: nn.Module, x: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """What a Linear's run-time adapters add to its output for input ``x`` (already in ``dtype``); None without."""
+    if module.lora_down is None and module.lora_diff is None and module.lora_diff_b is None:
+        return None
+    out = None
+    if module.lora_down is not None:
+        out = F.linear(F.linear(x, module.lora_down.to(dtype)), module.lora_up.to(dtype))
+    if module.lora_diff is not None or module.lora_diff_b is not None:
+        w = module.lora_diff.to(dtype) if module.lora_diff is not None else None
+        b = module.lora_diff_b.to(dtype) if module.lora_diff_b is not None else None
+        dense = F.linear(x, w, b) if w is not None else b.expand(*x.shape[:-1], b.shape[0])
+        out = dense if out is None else out + dense
+    return out
 
 
 class Linear(nn.Linear):

@@ -15,7 +15,7 @@ from typing import Dict, Mapping
 
 import torch
 
-from .loading import ModelPackageError, read_config, safetensors_files
+from .checkpoint_files import ModelPackageError, read_config, safetensors_files
 
 # The architecture the original Wan 2.1 loaders build (ComfyUI reads only the base width from the
 # weights and assumes the rest), i.e. the released Wan 2.1 VAE at any base width.
