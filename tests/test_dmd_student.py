@@ -332,3 +332,13 @@ def test_fp8_student_with_a_lora_in_block_offload(dmd_package, tmp_path):
     finally:
         pipe.release()
     assert torch.isfinite(with_lora).all() and (with_lora - plain).abs().max() > 1e-3
+
+
+def test_cli_sampler_choices():
+    from lingbot_core.cli import build_parser
+
+    base = ["generate", "--model_dir", "pkg", "--prompt", "a cat", "--output", "out.mp4"]
+    assert build_parser().parse_args(base).sampler == "auto"
+    assert build_parser().parse_args(base + ["--sampler", "dmd_student"]).sampler == "dmd_student"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(base + ["--sampler", "ddim"])
