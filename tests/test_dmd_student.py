@@ -276,6 +276,16 @@ def test_custom_sigmas_are_refused(student):
         student.generate("a cat", sampler="auto", sigmas=[1.0, 0.5], **TINY)
 
 
+def test_denoise_stage_needs_the_run_generator_for_dmd_student(student):
+    embeds = student.encode_prompt("a cat", guidance_scale=1.0, num_frames=5)
+    latents = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="pass the run's generator"):
+        student.denoise(embeds, latents, sigmas=dmd_sigmas(8, 3.0), guidance_scale=1.0, sampler="auto")
+    gen = torch.Generator().manual_seed(9)
+    out = student.denoise(embeds, latents, sigmas=dmd_sigmas(8, 3.0), guidance_scale=1.0, sampler="auto", generator=gen)
+    assert torch.isfinite(out).all()
+
+
 def test_refine_refuses_dmd_student(refiner_pipe):
     frames = np.full((5, 32, 32, 3), 0.5, dtype=np.float32)
     assert refiner_pipe.own_sampler == "unipc"
