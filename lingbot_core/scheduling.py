@@ -209,7 +209,7 @@ def dmd_sigmas(steps: int, shift: float) -> np.ndarray:
     base = np.linspace(1.0, 1.0 / TRAIN_TIMESTEPS, steps + 1)[:-1]
     grid = shift * base / (1 + (shift - 1) * base)
     if abs(grid[0] - 1.0) < 1e-6:
-        grid[0] -= 1e-6  # sigma 1 would leave no signal for the x0 / x1 split
+        grid[0] -= 1e-6  # diffusers' guard: the first DiT timestep is 999 (in the trained range), not 1000
     return grid
 
 
