@@ -64,8 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
                    help="a .safetensors LoRA for the base DiT (repeatable; strength 1 by default), e.g. the "
                         "four-step LoRA with --steps 4 --guidance_scale 1")
-    g.add_argument("--sampler", choices=list(SAMPLERS), default="unipc",
-                   help="unipc (reference) or euler (flow Euler, for distilled models)")
+    g.add_argument("--sampler", choices=list(SAMPLERS), default="auto",
+                   help="auto (the package's own: dmd_student for the DMD student, else unipc), unipc (reference), "
+                        "euler (flow Euler, for distilled models) or dmd_student (the 8-step DMD student's sampler)")
     g.add_argument("--sigmas", default=None, type=parse_sigmas,
                    help="explicit decreasing sigma list replacing --steps/--shift, e.g. '1.0,0.9,0.75,0.5'")
     g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")

@@ -4,7 +4,7 @@ Used by tests, the demo and benchmarks so the pack's real loader runs end to end
 Configs follow ``docs/test-fixtures.md`` (shared docs); every tensor is drawn from a seeded generator so
 two writes with the same arguments give byte-identical safetensors files.
 
-CLI: ``python -m lingbot_core.fixtures --out DIR [--moe] [--seed N] [--fp32] [--sharded] [--no-refiner]``
+CLI: ``python -m lingbot_core.fixtures --out DIR [--moe] [--seed N] [--fp32] [--sharded] [--no-refiner] [--dmd]``
 """
 
 from __future__ import annotations
@@ -83,6 +83,15 @@ SCHEDULER_CONFIG = {
     "solver_type": "bh2", "lower_order_final": True, "disable_corrector": [],
     "final_sigmas_type": "zero",
 }
+
+# A DMD-distilled student's scheduler (the reference's DMDStudentScheduler with its defaults): the pack
+# recognises the class name and samples such a package with sampler "dmd_student" under "auto".
+DMD_SCHEDULER_CONFIG = {
+    "_class_name": "DMDStudentScheduler", "_diffusers_version": DIFFUSERS_VERSION,
+    "num_train_timesteps": 1000, "flow_shift": 3.0, "high_noise_threshold": 0.5, "ddim_eta": 1.0,
+    "prediction_type": "flow_prediction",
+}
+DMD_MODEL_INDEX_SCHEDULER = ["lingbot_video.scheduling_dmd_student", "DMDStudentScheduler"]
 
 DIT_WEIGHTS = "diffusion_pytorch_model.safetensors"
 DIT_INDEX = "diffusion_pytorch_model.safetensors.index.json"
@@ -263,17 +272,19 @@ def write_dit(folder: Path, config: dict, seed: int, fp32: bool = False, sharded
 
 
 def write_package(out_dir, *, moe: bool = False, seed: int = 0, fp32: bool = False, sharded: bool = False,
-                  refiner: bool = True, scheduler_shift: float = 1.0, dit: Optional[dict] = None) -> Path:
+                  refiner: bool = True, scheduler_shift: float = 1.0, dit: Optional[dict] = None,
+                  dmd: bool = False) -> Path:
     """Write a tiny LingBot-Video package into ``out_dir`` and return its path.
 
     Release-like dtypes by default (DiT bf16 with fp32 islands, text encoder bf16, VAE fp32);
     ``fp32=True`` stores everything in fp32 for exact CPU comparisons. ``dit`` overrides DiT config
     entries (e.g. ``{"hidden_size": 1024, "depth": 8}`` for a package big enough to measure memory with;
-    ``text_dim`` must stay the tiny text encoder's width).
+    ``text_dim`` must stay the tiny text encoder's width). ``dmd=True`` writes a DMD student's scheduler
+    config (``DMD_SCHEDULER_CONFIG``, naming DMDStudentScheduler; ``scheduler_shift`` is then unused).
     """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
-    _write_json(root / "model_index.json", MODEL_INDEX)
+    _write_json(root / "model_index.json", dict(MODEL_INDEX, scheduler=DMD_MODEL_INDEX_SCHEDULER) if dmd else MODEL_INDEX)
 
     config = {**dit_config(moe), **(dit or {})}
     write_dit(root / "transformer", config, seed, fp32, sharded)
@@ -291,7 +302,7 @@ def write_package(out_dir, *, moe: bool = False, seed: int = 0, fp32: bool = Fal
     tiny_processor(tokenizer).save_pretrained(_fresh_dir(root / "processor"))
     tiny_vae(seed).save_pretrained(_fresh_dir(root / "vae"))  # always fp32, as the release
 
-    sched = dict(SCHEDULER_CONFIG, shift=float(scheduler_shift))
+    sched = dict(DMD_SCHEDULER_CONFIG) if dmd else dict(SCHEDULER_CONFIG, shift=float(scheduler_shift))
     _write_json(_fresh_dir(root / "scheduler") / "scheduler_config.json", sched)
     return root
 
@@ -353,9 +364,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Path:
     p.add_argument("--sharded", action="store_true", help="write the DiT as 2 shards + index")
     p.add_argument("--no-refiner", dest="refiner", action="store_false", help="omit refiner/")
     p.add_argument("--shift", type=float, default=1.0, help="scheduler shift")
+    p.add_argument("--dmd", action="store_true", help="a DMD student's scheduler config (DMDStudentScheduler)")
     a = p.parse_args(argv)
     root = write_package(a.out, moe=a.moe, seed=a.seed, fp32=a.fp32, sharded=a.sharded, refiner=a.refiner,
-                         scheduler_shift=a.shift)
+                         scheduler_shift=a.shift, dmd=a.dmd)
     print(root)
     return root
 

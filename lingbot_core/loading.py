@@ -298,6 +298,9 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
         checkpoint_weight=functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder),
     )
+    if pipe.own_sampler == "dmd_student":
+        logger.info("%s is a DMD-distilled student (%s): sampler 'auto' runs dmd_student (recipe: 8 steps, guidance 1.0, "
+                    "shift 3.0).", root.name, pipe.dmd_reason)
     if loras:
         try:
             pipe.set_loras(loras)

@@ -29,7 +29,7 @@ from .placement import check_component_devices
 from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .block_compile import FirstStepsTimer
 from .sampler import StepCallback, sample
-from .scheduling import check_sampler, check_sigmas, refiner_sigmas, shifted_sigmas
+from .scheduling import check_sampler, check_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas
 from .speed import SpeedOptions, apply_speed
 from .step_cache import check_step_cache, make_step_cache
 from .text_conditioning import (
@@ -126,6 +126,8 @@ class LingbotPipeline:
         self.vae = vae
         self.scheduler_config = dict(scheduler_config)
         self.model_dir = model_dir
+        # Why this package is a DMD-distilled student (sampler "auto" -> dmd_student), or None.
+        self.dmd_reason = dmd_package_reason(self.scheduler_config, model_dir)
         self.transformer_subfolder = transformer_subfolder
         # (key, dtype) -> the DiT tensor as loaded, read again from its file: LoRA changes restore from it.
         self._checkpoint_weight = checkpoint_weight
@@ -170,6 +172,15 @@ class LingbotPipeline:
     @property
     def is_refiner(self) -> bool:
         return self.transformer_subfolder == "refiner"
+
+    @property
+    def own_sampler(self) -> str:
+        """What ``sampler="auto"`` runs: ``dmd_student`` for a DMD-distilled student, else ``unipc``
+        (the refiner always keeps UniPC)."""
+        return "dmd_student" if self.dmd_reason and not self.is_refiner else "unipc"
+
+    def _resolve_sampler(self, sampler: str) -> str:
+        return self.own_sampler if check_sampler(sampler) == "auto" else sampler
 
     def device_bytes(self) -> int:
         """Weight bytes resident on the execution device right now (0 between stages when offloaded)."""
@@ -311,17 +322,21 @@ class LingbotPipeline:
     def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
                 callback: Optional[StepCallback] = None, step_cache: float = 0.0,
-                sampler: str = "unipc") -> torch.Tensor:
-        """Run the sampler (``unipc`` or ``euler``) from ``latents`` (DiT space) through ``sigmas``; returns
-        the final latent (CPU).
+                sampler: str = "unipc", generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        """Run the sampler (``unipc``, ``euler``, ``dmd_student`` or ``auto``: the package's own) from ``latents``
+        (DiT space) through ``sigmas``; returns the final latent (CPU).
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
-        (lingbot_core.step_cache); 0 = off.
+        (lingbot_core.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
-        check_sampler(sampler)
+        sampler = self._resolve_sampler(sampler)
+        if sampler == "dmd_student" and g > 1.0:
+            logger.warning("guidance_scale=%g with sampler='dmd_student': the DMD student has classifier-free guidance "
+                           "distilled in, so guidance above 1.0 applies it twice (and runs the DiT twice per step); "
+                           "its recipe is 1.0.", g)
         cache = make_step_cache(step_cache, len(sigmas), 2 if g > 1.0 else 1)
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
@@ -334,7 +349,7 @@ class LingbotPipeline:
                     self.transformer, latents.to(device=device, dtype=torch.float32), np.asarray(sigmas), positive,
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
-                    lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler,
+                    lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler, generator=generator,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
@@ -359,12 +374,14 @@ class LingbotPipeline:
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
                  condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
-                 step_cache: float = 0.0, sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
+                 step_cache: float = 0.0, sampler: str = "auto", sigmas: Optional[Sequence[float]] = None):
         """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
 
-        ``sampler`` is ``unipc`` (the reference) or ``euler`` (flow Euler). ``sigmas`` (optional) is an
-        explicit strictly decreasing list ending above 0 that replaces the ``steps`` / ``shift`` grid
-        (a final 0 is appended), for distilled students trained on a fixed list.
+        ``sampler``: ``auto`` (the package's own: :attr:`own_sampler`), ``unipc`` (the reference), ``euler``
+        (flow Euler) or ``dmd_student`` (the DMD-distilled student's sampler: its own grid, ancestral
+        noise from the run's generator; 8 steps, guidance 1.0, shift 3.0). ``sigmas`` (optional, not with
+        ``dmd_student``) is an explicit strictly decreasing list ending above 0 that replaces the
+        ``steps`` / ``shift`` grid (a final 0 is appended), for distilled students trained on a fixed list.
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
         ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.step_cache).
         """
@@ -374,8 +391,8 @@ class LingbotPipeline:
         check_video_size(num_frames, height, width)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
-        sigmas = shifted_sigmas(steps, float(shift)) if sigmas is None else check_sigmas(sigmas)
-        check_sampler(sampler)
+        sampler = self._resolve_sampler(sampler)
+        sigmas = sampler_sigmas(sampler, steps, float(shift), sigmas)
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
@@ -384,13 +401,13 @@ class LingbotPipeline:
             raise ValueError(f"the image condition was encoded at {condition.size[0]}x{condition.size[1]} but the video is {height}x{width}; encode it at the video size.")
         embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
         generator = torch.Generator("cpu").manual_seed(seed)
-        # RNG order: TI2V first-frame posterior draw, then the initial noise.
+        # RNG order: TI2V first-frame posterior draw, the initial noise, then (dmd_student) one draw per ancestral step.
         cond_latent = None
         if condition is not None:
             cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
         noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
         latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
-                               callback=callback, step_cache=step_cache, sampler=sampler)
+                               callback=callback, step_cache=step_cache, sampler=sampler, generator=generator)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)
@@ -404,8 +421,9 @@ class LingbotPipeline:
                sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
         """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
 
-        ``sampler`` / ``sigmas`` as in :meth:`generate`; explicit ``sigmas`` replace the cut grid and the
-        video is re-noised to their first value (instead of ``t_thresh``).
+        ``sampler``: ``unipc`` (the refiner's own, also what ``auto`` means here) or ``euler``; ``dmd_student`` is
+        refused (the refiner keeps flow UniPC). ``sigmas`` as in :meth:`generate`; explicit ``sigmas`` replace
+        the cut grid and the video is re-noised to their first value (instead of ``t_thresh``).
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
         ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
         ``vae_tiling`` tiles the VAE encode and the decode (``tile_size`` / ``tile_stride`` in pixels).
@@ -413,6 +431,10 @@ class LingbotPipeline:
         self._require_loaded()
         if not self.is_refiner:
             raise ValueError("Refine needs the refiner DiT: load the MoE package with transformer='refiner'.")
+        sampler = self._resolve_sampler(sampler)
+        if sampler == "dmd_student":
+            raise ValueError("sampler='dmd_student' is the DMD student's base-model sampler; the refiner keeps flow UniPC: "
+                             "use sampler 'unipc' (or 'auto') for Refine.")
         video = frames if isinstance(frames, torch.Tensor) else torch.as_tensor(np.asarray(frames))
         if video.ndim != 4 or video.shape[-1] != 3:
             raise ValueError(f"frames must be (T, H, W, 3); got shape {tuple(video.shape)}.")
@@ -428,7 +450,6 @@ class LingbotPipeline:
         else:
             sigmas = check_sigmas(sigmas)
             t_thresh = float(sigmas[0])
-        check_sampler(sampler)
         base_h, base_w = int(video.shape[1]), int(video.shape[2])
 
         _check_output_type(output_type)

@@ -1,4 +1,5 @@
-"""The sampling loop: UniPC-bh2 (or flow Euler) over a given sigma list with classifier-free guidance.
+"""The sampling loop: UniPC-bh2 (flow Euler, or the DMD student's sampler) over a given sigma list with
+classifier-free guidance.
 
 The two CFG branches are two batch-1 forwards. In lockstep (the default) they go through the DiT in
 one call, block by block (each block runs cond, then uncond, while its weights are resident), which
@@ -35,6 +36,7 @@ def sample(
     lockstep: bool = True,
     step_cache: Optional[StepCache] = None,
     sampler: str = "unipc",
+    generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -42,13 +44,14 @@ def sample(
     receives the reference's rounded timestep for its dtype; the solver uses the exact fp32 sigmas.
     ``condition_latent`` is written into latent frame 0 before the first step and after every step.
     ``lockstep`` runs both branches in one DiT call; ``step_cache`` (one branch state per CFG branch,
-    cond first) may skip the block stack of a branch on a step. ``sampler`` is ``unipc`` (the reference)
-    or ``euler`` (flow Euler, :class:`FlowEulerScheduler`).
+    cond first) may skip the block stack of a branch on a step. ``sampler`` is ``unipc`` (the reference),
+    ``euler`` (flow Euler, :class:`FlowEulerScheduler`) or ``dmd_student`` (:class:`DMDStudentSampler`,
+    which draws its ancestral noise from ``generator``, the run's CPU generator).
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
         raise ValueError("guidance_scale > 1 needs a negative embedding; encode the prompt with the same guidance_scale.")
-    scheduler = make_sampler(sampler, sigmas, scheduler_config)
+    scheduler = make_sampler(sampler, sigmas, scheduler_config, generator)
     dtype = transformer.compute_dtype
     x = latents.clone()
     if condition_latent is not None:

@@ -1,5 +1,5 @@
-"""Sigma grids, integer timesteps, the UniPC-bh2 solver used by LingBot-Video, and flow Euler (for
-distilled students trained on a fixed sigma list).
+"""Sigma grids, integer timesteps, the UniPC-bh2 solver used by LingBot-Video, flow Euler (for
+distilled students trained on a fixed sigma list) and the DMD student's own few-step sampler.
 
 The reference uses Wan 2.1's FlowUniPC scheduler. Its solver is the same as diffusers'
 ``UniPCMultistepScheduler`` in flow-prediction mode; only the sigma grid differs. We therefore build
@@ -118,12 +118,17 @@ def make_scheduler(sigmas: np.ndarray, config: Optional[dict] = None) -> UniPCMu
     return scheduler
 
 
-SAMPLERS = ("unipc", "euler")
+# "auto" is the package's own sampler (LingbotPipeline.own_sampler): dmd_student for a DMD-distilled
+# student, unipc for every other package and for the refiner.
+SAMPLERS = ("auto", "unipc", "euler", "dmd_student")
 
 
 def check_sampler(sampler: str) -> str:
     if sampler not in SAMPLERS:
-        raise ValueError(f"sampler={sampler!r} is not allowed: use 'unipc' (the reference solver) or 'euler' (flow Euler, for distilled models).")
+        raise ValueError(
+            f"sampler={sampler!r} is not allowed: use 'auto' (the package's own sampler), 'unipc' (the reference "
+            "solver), 'euler' (flow Euler, for distilled models) or 'dmd_student' (the DMD-distilled MoE student's sampler)."
+        )
     return sampler
 
 
@@ -182,8 +187,138 @@ class FlowEulerScheduler:
         return _Step(sample.float() + dt.to(sample.device) * velocity.float())
 
 
-def make_sampler(sampler: str, sigmas: np.ndarray, config: Optional[dict] = None):
-    """The solver stepping through ``sigmas`` (then 0): UniPC-bh2 (reference) or flow Euler."""
+# -- the DMD student ------------------------------------------------------------------------------
+
+DMD_SCHEDULER_CLASS = "DMDStudentScheduler"  # the reference's class, named in a DMD package's scheduler config
+DMD_THRESHOLD = 0.5  # ancestral steps while the warped sigma is at least this
+DMD_ETA = 1.0  # DDIM eta of the ancestral steps (1 = full ancestral)
+TRAIN_TIMESTEPS = 1000
+
+
+def dmd_sigmas(steps: int, shift: float) -> np.ndarray:
+    """The DMD student's grid (float64, no trailing zero): the flow-sigma grid of diffusers' UniPC.
+
+    ``linspace(1, 1/1000)`` warped by ``shift``, its first value pulled 1e-6 below 1. It is not the
+    FlowUniPC grid of :func:`shifted_sigmas` (which starts from 0.999): for 8 steps shift 3 its 7th
+    sigma is 0.500999 (an ancestral step) where that grid has 0.499667.
+    """
+    if steps < 1:
+        raise ValueError(f"steps must be at least 1, got {steps}.")
+    if not np.isfinite(shift) or shift <= 0:
+        raise ValueError(f"shift must be a positive finite number, got {shift}.")
+    base = np.linspace(1.0, 1.0 / TRAIN_TIMESTEPS, steps + 1)[:-1]
+    grid = shift * base / (1 + (shift - 1) * base)
+    if abs(grid[0] - 1.0) < 1e-6:
+        grid[0] -= 1e-6  # diffusers' guard: the first DiT timestep is 999 (in the trained range), not 1000
+    return grid
+
+
+def ddim_ancestral_std(sigma: torch.Tensor, sigma_next: torch.Tensor, eta: float) -> torch.Tensor:
+    """The fresh-noise std of a DDIM eta-ancestral step from ``sigma`` to ``sigma_next``, in flow units.
+
+    A flow point ``(1 - s) x0 + s eps`` is the variance-preserving point with ``alpha = (1 - s) / r``,
+    ``beta = s / r`` scaled by ``r = sqrt((1 - s)^2 + s^2)``. DDIM's std there is
+    ``eta * (beta' / beta) * sqrt(1 - (alpha / alpha')^2)``; times ``r'`` it is in flow units. It is capped
+    at ``sigma_next``: the step keeps ``sqrt(sigma_next^2 - std^2)`` of the predicted noise, which must
+    stay real (eta > 1 would exceed it; at eta 1 rounding alone could).
+    """
+    r = torch.sqrt((1 - sigma) ** 2 + sigma ** 2)
+    r_next = torch.sqrt((1 - sigma_next) ** 2 + sigma_next ** 2)
+    alpha_ratio = ((1 - sigma) / r) / ((1 - sigma_next) / r_next)
+    std = eta * ((sigma_next / r_next) / (sigma / r)) * torch.sqrt((1 - alpha_ratio ** 2).clamp(min=0)) * r_next
+    return torch.minimum(std, sigma_next)
+
+
+class DMDStudentSampler:
+    """The DMD-distilled student's sampler: DDIM eta-ancestral steps while sigma >= ``threshold``, then
+    Euler to 0 (the geometry it was distilled on; docs/en/dmd_student_sampling.md of the reference).
+
+    An ancestral step splits the state into the predicted clean latent ``x0 = x - s v`` and noise
+    ``x1 = x + (1 - s) v`` (flow prediction ``v = eps - x0``) and lands on
+    ``(1 - s') x0 + sqrt(s'^2 - std^2) x1 + std z``, with ``z`` one fresh ``randn`` of the latent's shape
+    from ``generator`` (the run's CPU generator, so a seed gives one video on every device). The gate
+    compares the fp32 (warped) sigma. All step math is fp32. The DiT gets the truncated integer timesteps.
+    """
+
+    def __init__(self, sigmas: np.ndarray, generator: Optional[torch.Generator], *,
+                 threshold: float = DMD_THRESHOLD, eta: float = DMD_ETA):
+        if generator is None:
+            raise ValueError("sampler='dmd_student' draws fresh noise on its ancestral steps: pass the run's generator.")
+        sig = np.asarray(sigmas, dtype=np.float64)
+        self.generator = generator
+        self.timesteps = torch.from_numpy(timesteps_from_sigmas(sig))
+        self.sigmas = torch.from_numpy(np.append(sig, 0.0).astype(np.float32))
+        self.stochastic = self.sigmas[:-1] >= threshold
+        std = ddim_ancestral_std(self.sigmas[:-1], self.sigmas[1:], eta)
+        self.ancestral_std = torch.where(self.stochastic, std, torch.zeros_like(std))
+        self._index = 0
+
+    def transition(self, i: int, velocity: torch.Tensor, sample: torch.Tensor,
+                   noise: Optional[torch.Tensor]) -> torch.Tensor:
+        """Step ``i`` from ``sample`` with the model's ``velocity``; ``noise`` on ancestral steps only."""
+        v, x = velocity.float(), sample.float()
+        sigma, sigma_next = (s.to(x.device) for s in (self.sigmas[i], self.sigmas[i + 1]))
+        if not self.stochastic[i]:
+            return x + (sigma_next - sigma) * v
+        std = self.ancestral_std[i].to(x.device)
+        x0 = x - sigma * v
+        x1 = x + (1 - sigma) * v
+        return (1 - sigma_next) * x0 + torch.sqrt(sigma_next ** 2 - std ** 2) * x1 + std * noise.to(x.device)
+
+    def step(self, velocity: torch.Tensor, timestep, sample: torch.Tensor) -> _Step:
+        i = self._index
+        noise = None
+        if self.stochastic[i]:
+            noise = torch.randn(sample.shape, generator=self.generator, dtype=torch.float32)
+        self._index += 1
+        return _Step(self.transition(i, velocity, sample, noise))
+
+
+def dmd_settings(config: Optional[dict]) -> dict:
+    """``threshold`` / ``eta`` for :class:`DMDStudentSampler`: the reference's defaults, or those a
+    ``DMDStudentScheduler`` config of the package states (a student distilled with other values)."""
+    config = config or {}
+    if config.get("_class_name") != DMD_SCHEDULER_CLASS:
+        return dict(threshold=DMD_THRESHOLD, eta=DMD_ETA)
+    threshold = float(config.get("high_noise_threshold", DMD_THRESHOLD))
+    eta = float(config.get("ddim_eta", DMD_ETA))
+    if not (0.0 <= threshold <= 1.0) or not (0.0 <= eta <= 2.0):
+        raise ValueError(f"scheduler/scheduler_config.json: high_noise_threshold={threshold} must be in [0, 1] and "
+                         f"ddim_eta={eta} in [0, 2].")
+    return dict(threshold=threshold, eta=eta)
+
+
+def dmd_package_reason(config: Optional[dict], model_dir) -> Optional[str]:
+    """Why a package is a DMD-distilled student (its scheduler config names DMDStudentScheduler, or its
+    folder name contains "dmd"), or None for any other package."""
+    if (config or {}).get("_class_name") == DMD_SCHEDULER_CLASS:
+        return f"its scheduler/scheduler_config.json names {DMD_SCHEDULER_CLASS}"
+    name = os.path.basename(os.path.normpath(str(model_dir))) if model_dir else ""
+    if "dmd" in name.lower():
+        return f"its folder name {name!r} contains 'dmd'"
+    return None
+
+
+def sampler_sigmas(sampler: str, steps: int, shift: float, sigmas=None) -> np.ndarray:
+    """The grid a run samples: the DMD student's own grid for ``dmd_student`` (which refuses explicit
+    ``sigmas``: the student was distilled on its grid), else the checked ``sigmas`` or the FlowUniPC grid."""
+    if sampler == "dmd_student":
+        if sigmas is not None:
+            raise ValueError("sigmas cannot be used with sampler='dmd_student': the DMD student was distilled on its own "
+                             "grid; leave sigmas empty and set steps (8) and shift (3.0).")
+        return dmd_sigmas(steps, shift)
+    return shifted_sigmas(steps, shift) if sigmas is None else check_sigmas(sigmas)
+
+
+def make_sampler(sampler: str, sigmas: np.ndarray, config: Optional[dict] = None,
+                 generator: Optional[torch.Generator] = None):
+    """The solver stepping through ``sigmas`` (then 0): UniPC-bh2 (reference), flow Euler or the DMD
+    student's sampler (which draws its ancestral noise from ``generator``). ``auto`` must be resolved
+    by the caller (it depends on the package)."""
     if check_sampler(sampler) == "euler":
         return FlowEulerScheduler(sigmas)
+    if sampler == "dmd_student":
+        return DMDStudentSampler(sigmas, generator, **dmd_settings(config))
+    if sampler != "unipc":
+        raise ValueError(f"sampler={sampler!r} must be resolved to the package's own sampler before sampling.")
     return make_scheduler(sigmas, config)

@@ -50,7 +50,7 @@ class GenerateVideo:
                 "height": ("INT", {"default": 480, "min": SIZE_MULTIPLE, "max": MAX_SIDE, "step": SIZE_MULTIPLE, "tooltip": f"Height in pixels, a multiple of {SIZE_MULTIPLE}."}),
                 "num_frames": ("INT", {"default": 121, "min": 1, "max": MAX_FRAMES, "step": TEMPORAL_COMPRESSION,
                                "tooltip": "1 (an image) or 4n+1 frames; 121 = 5 s at 24 fps. A caption's duration overrides it when use_caption_duration is on."}),
-                "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Sampling steps (UniPC); 40 is the reference setting."}),
+                "steps": ("INT", {"default": 40, "min": 1, "max": 200, "tooltip": "Sampling steps; 40 is the reference setting (8 for the DMD student)."}),
                 "guidance_scale": ("FLOAT", {"default": 3.0, "min": 0.0, "max": 30.0, "step": 0.1, "tooltip": "Classifier-free guidance; 3.0 is the reference setting, <= 1 disables it (twice as fast)."}),
                 "shift": ("FLOAT", {"default": 3.0, "min": 0.1, "max": 20.0, "step": 0.1, "tooltip": "Sigma shift of the flow schedule; 3.0 is the reference setting."}),
                 "seed": ("INT", {"default": 42, "min": 0, "max": SEED_MAX, "tooltip": "Same seed, same video in every offload mode on the same device and precision. Noise is drawn on the CPU, so the start is the same everywhere, but auto precision is fp32 on a CPU and bf16 on a GPU (fp16 below sm80), so frames from different devices differ slightly."}),
@@ -61,14 +61,14 @@ class GenerateVideo:
                 "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate used with a caption's duration."}),
                 "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
-                "sampler": (list(SAMPLERS), {"default": "unipc", "tooltip": "unipc: the reference solver (also what LightX2V runs its four-step LoRA with). euler: flow Euler, for distilled models trained with it."}),
-                "sigmas": ("STRING", {"default": "", "tooltip": "Optional explicit noise levels, strictly decreasing in (0, 1], e.g. 1.0, 0.9, 0.75, 0.5 (a final 0 is added). They replace steps and shift. Empty = the steps/shift grid."}),
+                "sampler": (list(SAMPLERS), {"default": "auto", "tooltip": "auto: the package's own sampler (dmd_student for the DMD-distilled MoE student, unipc for every other package). unipc: the reference solver (also what LightX2V runs its four-step LoRA with). euler: flow Euler, for distilled models trained with it. dmd_student: the 8-step DMD student's sampler (use 8 steps, guidance 1.0, shift 3.0)."}),
+                "sigmas": ("STRING", {"default": "", "tooltip": "Optional explicit noise levels, strictly decreasing in (0, 1], e.g. 1.0, 0.9, 0.75, 0.5 (a final 0 is added). They replace steps and shift. Empty = the steps/shift grid. Not with dmd_student (it keeps its own grid)."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
-                 image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="unipc", sigmas="",
+                 image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="auto", sigmas="",
                  unique_id=None):
         parsed = parse_prompt(prompt)
         for warning in parsed.warnings:

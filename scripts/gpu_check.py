@@ -185,6 +185,17 @@ def _locked_mib() -> dict:
 # -- packages --------------------------------------------------------------------------------------
 
 
+
+def dmd_student_rows() -> List[Row]:
+    """Issue 22: the DMD student's own sampler on the MoE in block K=0, with the student's recipe (8 steps,
+    guidance 1.0: one DiT call per step, shift 3.0). The random MoE is not a student, so the sampler is named;
+    its ancestral noise comes from the CPU generator, so repeats must give the same frames on the GPU too."""
+    return [Row("moe-dmd-8step", "moe", "bf16", "block", steps=8, repeats=2,
+                generate={"guidance_scale": 1.0, "shift": 3.0, "sampler": "dmd_student"})]
+
+
+ROWS += dmd_student_rows()
+
 def moe_dit_config(layers: int) -> dict:
     """The released MoE DiT config with ``layers`` blocks (keyword arguments over the class defaults, which
     are the dense release's: full width; every block MoE)."""

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-ROWS = ("dense-bf16-none", "dense-bf16-block", "dense-bf16-block-repeats", "moe-bf16-none", "moe-fp8-none",
-        "moe-fp8-block", "moe-bf16-block-lora-4step", "async-dense-bf16-block")
+ROWS = ("dense-bf16-none", "dense-bf16-block", "dense-bf16-block-repeats", "moe-bf16-none", "moe-dmd-8step",
+        "moe-fp8-none", "moe-fp8-block", "moe-bf16-block-lora-4step", "async-dense-bf16-block")
 
 
 def test_gpu_check_tiny_cpu(tmp_path):
@@ -48,6 +48,8 @@ def test_gpu_check_tiny_cpu(tmp_path):
                                                                 "moe-bf16-block-lora-4step"]
     lora = rows["moe-bf16-block-lora-4step"]  # issue 16's row: the LoRA is applied and the run is 4 steps
     assert lora["steps"] == 4 and lora["frames_sha256"] != rows["moe-bf16-none"]["frames_sha256"]
+    dmd = rows["moe-dmd-8step"]  # issue 22's row: the DMD student's sampler, 8 steps, repeats identical
+    assert dmd["steps"] == 8 and dmd["repeats"] == 2 and dmd["frames_sha256"] != rows["moe-bf16-none"]["frames_sha256"]
     assert report["speed_skipped"].startswith("CUDA only")
     assert all(set(x["locked_mib"]) == {"VmPin", "VmLck"} for x in report["after_release"])
     assert rows["dense-bf16-block"]["same_as"] == {"row": "dense-bf16-none", "equal": True}

@@ -223,7 +223,8 @@ def test_object_info_lists_the_nodes_with_documented_defaults(server):
     assert gen["pipe"][0] == "LINGBOT_PIPE" and gen["image_condition"][0] == "LINGBOT_IMAGE_COND"
     assert "image_condition" in infos["GenerateVideo"]["input"]["optional"]
     assert infos["GenerateVideo"]["output"] == ["IMAGE", "LATENT"]
-    assert gen["sampler"][0] == ["unipc", "euler"] and gen["sampler"][1]["default"] == "unipc" and gen["sigmas"][1]["default"] == ""
+    assert gen["sampler"][0] == ["auto", "unipc", "euler", "dmd_student"] and gen["sampler"][1]["default"] == "auto"
+    assert gen["sigmas"][1]["default"] == ""
 
     ref = _inputs(infos["Refine"])
     expected = {"width": 1920, "height": 1088, "steps": 8, "t_thresh": 0.85, "tail_steps": 2,
