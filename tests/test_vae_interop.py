@@ -204,3 +204,15 @@ def test_a_vae_comfyui_cannot_build_is_an_error_naming_the_setting(comfy_server)
     err = execution_error(entry)
     assert err is not None and err["node_id"] == "1", entry["status"]
     assert "dim_mult=[1, 1, 1, 1]" in err["exception_message"] and "Wan 2.1" in err["exception_message"]
+
+
+def test_vae_config_without_is_residual_converts_like_wan21(wan21_package, tmp_path):
+    # diffusers before the Wan 2.2 VAE wrote no is_residual: such a config is a Wan 2.1 VAE.
+    old = tmp_path / "old-diffusers"
+    shutil.copytree(wan21_package / "vae", old / "vae")
+    config = json.loads((old / "vae" / "config.json").read_text())
+    assert config.pop("is_residual") is False
+    (old / "vae" / "config.json").write_text(json.dumps(config))
+    converted, expected = load_original_wan21(old), load_original_wan21(wan21_package)
+    assert len(converted) == len(expected) > 0 and converted.keys() == expected.keys()
+    assert all(torch.equal(converted[k], expected[k]) for k in expected)
