@@ -16,6 +16,9 @@ Scenarios:
   package) and an unknown name, from core ``PrimitiveString`` and from an any-typed string node
   (ComfyUI's ``IO.ANY``, ``"*"``, which many custom-node packs output and which matches every input type);
   then a valid prompt. Counts safetensors opens and file opens under the package meanwhile.
+- ``prompt_links``: LoadLingbotPrompt's ``prompt_file`` fed through the any-typed string node with a
+  ``.json`` file outside ``input/`` (as ``../outside.json`` and as an absolute path), then a listed file;
+  counts opens of the outside file meanwhile.
 - ``encode``: in ``model`` then ``sequential`` offload, graph ``a`` (independent T2V and TI2V branches;
   ComfyUI 0.3.75 runs the T2V branch first) and graph ``b`` (GenerateVideo -> its frames ->
   EncodeImageVAE -> GenerateVideo, one pipeline).
@@ -36,6 +39,8 @@ MODEL = "lingbot-tiny-dense"
 H, W, FRAMES = 32, 48, 5
 MODES = ("model", "sequential")
 LINK_VALUES = {"dotdot": "../..", "absolute": None, "unknown": "no-such-package"}  # absolute: the package path
+OUTSIDE_CAPTION = "a private note kept outside the input folder"
+PROMPT_LINK_VALUES = {"dotdot": "../outside.json", "absolute": None, "listed": "listed.json"}  # absolute: outside.json
 
 ANY_STRING_NODE = '''"""Test-only node: a string through ComfyUI's own "any" output type (IO.ANY), as custom-node packs use it."""
 
@@ -122,6 +127,12 @@ def graph_b(offload, tag):
 def link_graph(source_class, value):
     return {"1": {"class_type": source_class, "inputs": {"value": value}},
             "2": loader(["1", 0]), "3": generate(31, pipe="2"), "4": save("3", "links")}
+
+
+def prompt_link_graph(value):
+    return {"1": {"class_type": "AnyString", "inputs": {"value": value}},
+            "2": {"class_type": "LoadLingbotPrompt", "inputs": {"prompt_file": ["1", 0], "fps": 24}},
+            "3": {"class_type": "PreviewAny", "inputs": {"source": ["2", 0]}}}
 
 
 def _key(components) -> str:
@@ -236,6 +247,7 @@ def _run(comfy, observer, prompt, save_ids=()):
     record["nodes"] = observer.segments(start)
     record["frames"], record["digests"] = _frames(comfy, result, save_ids) if result["status"] == "success" else ({}, {})
     record["class_types"] = {nid: node["class_type"] for nid, node in prompt.items()}
+    record["texts"] = {nid: out["text"] for nid, out in (result.get("outputs") or {}).items() if "text" in out}
     return record
 
 
@@ -265,6 +277,19 @@ def main(out_path, base, package):
     rec = _run(comfy, observer, link_graph("AnyString", MODEL), save_ids=("4",))
     rec.update(safe_opens=observer.safe_opens - before[0], file_opens=observer.file_opens - before[1], value=MODEL)
     obs["links"]["AnyString:listed"] = rec
+
+    outside = (base / "outside.json").resolve()
+    outside.write_text(json.dumps({"caption": {"scene": OUTSIDE_CAPTION}, "duration": 1}))
+    (base / "input" / "listed.json").write_text(json.dumps({"caption": {"scene": "a listed kite"}, "duration": 1}))
+    outside_opens = []
+    sys.addaudithook(lambda event, args: outside_opens.append(1) if event == "open" and isinstance(args[0], str)
+                     and os.path.realpath(args[0]) == str(outside) else None)
+    obs["prompt_links"] = {}
+    for name, value in dict(PROMPT_LINK_VALUES, absolute=str(outside)).items():
+        before = len(outside_opens)
+        rec = _run(comfy, observer, prompt_link_graph(value))
+        rec.update(value=value, outside_opens=len(outside_opens) - before)
+        obs["prompt_links"][name] = rec
 
     for mode in MODES:
         obs["encode"][mode] = {

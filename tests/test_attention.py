@@ -127,3 +127,16 @@ def test_set_speed_switches_attention_without_reload(dense_pipe):
     dense_pipe.set_speed(attention="sdpa")
     assert dense_pipe.transformer.blocks[0].attn.to_q.weight is weight
     assert {m.backend.value for m in dense_pipe.transformer.modules() if isinstance(m, Attention)} == {"native"}
+
+
+@pytest.mark.parametrize("fa3, expected", [(False, "flash"), (True, "_flash_3")])
+def test_hopper_takes_flash_attention_3_when_installed_else_2(fa3, expected):
+    # An H100 (compute capability 9.0) with only flash-attn 2 installed still runs attention=flash_attn.
+    hopper = dict(is_available=mock.DEFAULT, get_device_capability=mock.DEFAULT)
+    with mock.patch.multiple(torch.cuda, **hopper) as cuda, \
+            mock.patch.multiple(attention_dispatch, _CAN_USE_FLASH_ATTN=True, _CAN_USE_FLASH_ATTN_3=fa3):
+        cuda["is_available"].return_value = True
+        cuda["get_device_capability"].return_value = (9, 0)
+        assert diffusers_backend("flash_attn", CUDA, torch.bfloat16) == expected
+        cuda["get_device_capability"].return_value = (8, 0)  # A100: FlashAttention 2 only
+        assert diffusers_backend("flash_attn", CUDA, torch.bfloat16) == "flash"

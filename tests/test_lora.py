@@ -475,3 +475,45 @@ def test_refiner_pipeline_takes_a_lora_and_restores_from_its_own_checkpoint(pack
         assert torch.equal(pipe.transformer.blocks[1].ffn.shared_experts.down_proj.weight, w)
     finally:
         pipe.release()
+
+
+def test_router_keys_are_refused_and_the_pipeline_is_unchanged(packages, tmp_path):
+    # A file that also trains the MoE router: refused whole, not applied without its router part.
+    path = tmp_path / "with_router.safetensors"
+    gen = torch.Generator().manual_seed(0)
+    down, up = _factors(gen, 64, 64)
+    r_down, r_up = _factors(gen, dit_config(True)["num_experts"], 64)
+    save_file({"blocks.0.attn.to_q.lora_A.weight": down, "blocks.0.attn.to_q.lora_B.weight": up,
+               "blocks.0.ffn.router.lora_A.weight": r_down, "blocks.0.ffn.router.lora_B.weight": r_up}, str(path))
+    pipe = load_pipeline(packages["moe"], device="cpu")
+    try:
+        w = pipe.transformer.blocks[0].attn.to_q.weight.detach().clone()
+        with pytest.raises(LoraError, match=r"with_router\.safetensors: key 'blocks\.0\.ffn\.router\.lora_[AB]\.weight' "
+                                            r"targets blocks\.0\.ffn\.router, the MoE layer's stacked routed experts or router"):
+            pipe.set_loras([(path, 1.0)])
+        assert torch.equal(pipe.transformer.blocks[0].attn.to_q.weight, w)
+    finally:
+        pipe.release()
+
+
+def test_fp8_run_time_adapter_scales_by_alpha_over_rank(packages, tmp_path):
+    # kohya file, rank 4, alpha 1, strength 0.8: the to_q output moves by 0.8 * (1 / 4) * x (up @ down)^T.
+    gen = torch.Generator().manual_seed(5)
+    down, up = _factors(gen, 64, 64)
+    path = tmp_path / "kohya_alpha.safetensors"
+    save_file({"diffusion_model.blocks.0.attn.to_q.lora_down.weight": down,
+               "diffusion_model.blocks.0.attn.to_q.lora_up.weight": up,
+               "diffusion_model.blocks.0.attn.to_q.alpha": torch.tensor(1.0)}, str(path))
+    pipe = load_pipeline(packages["moe"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    try:
+        to_q = pipe.transformer.blocks[0].attn.to_q
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+        before = to_q(x, torch.bfloat16).float()
+        pipe.set_loras([(path, 0.8)])
+        moved = to_q(x, torch.bfloat16).float() - before
+    finally:
+        pipe.release()
+    expected = x.float() @ (0.8 * (1.0 / RANK) * (up @ down)).t()
+    ratio = (moved * expected).sum() / (expected * expected).sum()  # 1.0 right, 4.0 when alpha/rank is dropped
+    assert ratio.item() == pytest.approx(1.0, abs=0.03)
+    assert (moved - expected).norm() / expected.norm() < 0.05  # bf16 rounding of the adapter only

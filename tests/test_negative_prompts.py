@@ -115,3 +115,12 @@ def test_dark_and_motion_blur_scenes_prune_terms(server):
 def test_unparseable_answer_keeps_the_base(server):
     base = edit_negative("image", ["artistic_style"])
     assert _auto(server, "I think you should remove cartoon.", "a cartoon fox", mode="image", base=base) == base
+
+
+def test_guard_words_match_whole_words_only(server):
+    # "knight" holds "night" and "sunlight" is bright: the model kept every term and no guard applies.
+    keep_all = json.dumps({"universal_negative": edit_negative("video")})
+    out = _auto(server, keep_all, "a knight in sunlight rides past a candle shop")
+    flat = [t for ts in out.values() for t in ts]
+    assert "underexposed" in flat and "overexposed" in flat
+    assert out == edit_negative("video")

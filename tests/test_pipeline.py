@@ -397,3 +397,19 @@ def test_refine_t_thresh_sharing_first_integer_timestep(refiner, steps, t_thresh
     assert len(fed) == len(sigmas) == evaluations  # one DiT call per sigma (no CFG)
     assert fed[:2] == first_timesteps
     assert fed == timesteps_from_sigmas(sigmas).tolist()
+
+
+def test_refine_with_explicit_sigmas_renoises_to_their_first_value(monkeypatch, refiner):
+    """Sigmas "0.9, 0.6, 0.3" replace the t_thresh grid: the video is noised to 0.9, not to t_thresh 0.85."""
+    frames = np.random.default_rng(1).random((F, H, W, 3), dtype=np.float32)
+    seen = _capture_denoise(monkeypatch, refiner)
+    refiner.refine(frames, "a cat", sigmas=[0.9, 0.6, 0.3], t_thresh=0.85, seed=5, output_type="latent",
+                   guidance_scale=1.0, **REFINE)
+    assert seen["sigmas"].tolist() == [0.9, 0.6, 0.3]
+    tiling = dict(tiling=True, tile_size=REFINE["tile_size"], tile_stride=REFINE["tile_stride"])
+    lowres = resize_frames(torch.from_numpy(frames[refiner_frame_indices(F, 24.0)]), 64, 128)
+    g = torch.Generator().manual_seed(5)
+    x = refiner.normalizer.to_dit(refiner.encode_video(lowres, **tiling).sample(g))
+    noise = torch.randn(x.shape, generator=g)
+    sigma0 = 0.9
+    torch.testing.assert_close(seen["latents"], noise * sigma0 + x * (1 - sigma0), rtol=0, atol=1e-6)

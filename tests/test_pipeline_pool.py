@@ -258,3 +258,28 @@ def test_switching_into_block_makes_room_for_its_pins(packages, monkeypatch):
     with pool.use(block) as pipe:
         assert pipe.offload == "block"
     pool.release_idle()
+
+
+@pytest.mark.parametrize("offload", ["block", "model"])
+def test_pins_of_a_loaded_block_pipeline_count_against_the_budget(packages, monkeypatch, offload):
+    """The budget fits both pipelines' weights but not the dense one's pinned staging ring as well: with
+    the dense pipeline loaded in 'block', loading the MoE one must first free it (or refuse while it runs);
+    in 'model' (nothing pinned) both stay loaded. Pins exist only on CUDA; the ring's size is stated."""
+    probe = PipelinePool()
+    dense_spec = probe.handle(packages["dense"], device="cpu").spec
+    moe_spec = probe.handle(packages["moe"], device="cpu").spec
+    pins = probe.weight_bytes(dense_spec) // 2
+    pool = budget_pool(probe.weight_bytes(dense_spec) + probe.weight_bytes(moe_spec) + pins - 1)
+    monkeypatch.setattr(pool, "pin_bytes", lambda spec: pins if spec == dense_spec else 0)
+    dense = pool.handle(packages["dense"], offload=offload, device="cpu")
+    moe = pool.handle(packages["moe"], device="cpu")
+    dense.encode_prompt("a kite", guidance_scale=1.0)
+    try:
+        if offload == "block":
+            with pool.use(dense):  # running: cannot be evicted
+                with pytest.raises(MemoryBudgetError, match=r"loading its weights needs about .* exceeds the RAM budget"):
+                    moe.encode_prompt("a kite", guidance_scale=1.0)
+        moe.encode_prompt("a kite", guidance_scale=1.0)
+        assert pool.loaded() == ((moe_spec,) if offload == "block" else (dense_spec, moe_spec))
+    finally:
+        pool.release_idle()

@@ -224,3 +224,17 @@ def test_whitespace_negative_is_the_default(server):
         results.append(saved_frames(server, entry, "3"))
     assert results[0].shape == (1, H, W, 3)
     assert (results[0] == results[1]).all()
+
+
+@comfy
+def test_image_negative_ignores_the_video_only_toggle(server):
+    """A negative node switched from video to image keeps the temporal toggle it had off for video: image mode
+    has no such category and gives the image default, byte for byte."""
+    keep = {"visual_quality": True, "artistic_style": True, "composition_and_content": True,
+            "temporal_and_motion_stability": False, "material_and_structure": True}
+    graph = {"1": {"class_type": "LingbotNegativePrompt", "inputs": {"mode": "image", "remove_terms": "", **keep}},
+             "2": preview("1")}
+    entry = server.run(graph, check=False)
+    assert execution_error(entry) is None, execution_error(entry)["exception_message"]
+    image_sha = "7e277788a8bb3d2fb0a2a4109316c544345fefff1c22868861c90741b0c47e7b"  # lingbot-video-model.md §6.7
+    assert hashlib.sha256(preview_text(entry, "2").encode("utf-8")).hexdigest() == image_sha

@@ -285,3 +285,24 @@ def test_cli_rewrite_writes_prompt_json(server, prompt_file, tmp_path, capsys):
     bad = argv[:argv.index("--base_url") + 1] + ["http://127.0.0.1:9/v1"] + argv[argv.index("--base_url") + 2:]
     assert main(bad[:1] + ["--prompt", "another kite"] + bad[3:]) == 2
     assert "cannot reach the chat server at http://127.0.0.1:9/v1/chat/completions" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("prompt", ["3D动画：一只红色的风筝", "“风筝”在山上飞", "2 只风筝在山上飞"])
+def test_chinese_prompt_not_starting_with_a_cjk_character_gets_the_chinese_duration_line(server, prompt_file, prompt):
+    _run(server, prompt_file, prompt=prompt, duration=3)
+    first, _ = server.bodies()
+    assert _texts(first) == [f"You expand video prompts.\n\n{prompt}\n\n视频时长：3 秒"]
+
+
+@pytest.mark.parametrize("name", ["VIDEO_STEP1_EXPAND.txt", "prompts.py"])
+def test_huge_prompt_file_is_refused_before_it_is_read(tmp_path, name):
+    # 16 MiB (sparse: no disk, no memory unless read) that would otherwise load as a valid prompt.
+    path = tmp_path / name
+    path.write_text("VIDEO_STEP1_EXPAND = 'a'\n" if name.endswith(".py") else "You expand video prompts.\n",
+                    encoding="utf-8")
+    with open(path, "r+b") as f:
+        f.truncate(16 << 20)
+    for where in (path, tmp_path):
+        with pytest.raises(ValueError, match=r"prompts?\.py|VIDEO_STEP1_EXPAND\.txt") as e:
+            load_system_prompts(where)
+        assert "is larger than 4 MiB; it is not a rewriter prompt file" in str(e.value)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.step_cache import StepCache, check_step_cache, make_step_cache
+from lingbot_core.step_cache import MAX_THRESHOLD, StepCache, check_step_cache, make_step_cache
 
 RUN = dict(height=64, width=96, num_frames=5, steps=12, seed=3)
 
@@ -134,3 +134,14 @@ def test_refine_takes_a_step_cache(refiner_pipe, caplog):
     with caplog.at_level(logging.INFO, logger="lingbot_core"):
         out = refiner_pipe.refine(frames, "a cat", height=64, width=96, steps=12, step_cache=0.5)
     assert out.shape == (5, 64, 96, 3) and "DiT forwards computed" in caplog.text
+
+
+def test_warm_up_is_rounded_up_twelve_steps_compute_three():
+    # EasyCache computes the first 20 % of the steps; 20 % of 12 is 2.4, so steps 0, 1 and 2 are always
+    # computed. Inputs that barely move would be skipped from step 2 on (k = 3 is learned at step 1),
+    # so with the largest threshold only the warm-up and the last step are computed.
+    inputs = [torch.full((1, 4, 2), 1.0 + 0.001 * s) for s in range(12)]
+    cache = StepCache(MAX_THRESHOLD, 12, 1)
+    _, computed = _drive(cache, cache.branches[0], inputs, lambda x: 3 * x + 1)
+    assert computed == [0, 1, 2, 11]
+    assert (cache.computed, cache.skipped) == (4, 8)

@@ -204,3 +204,41 @@ def test_a_vae_comfyui_cannot_build_is_an_error_naming_the_setting(comfy_server)
     err = execution_error(entry)
     assert err is not None and err["node_id"] == "1", entry["status"]
     assert "dim_mult=[1, 1, 1, 1]" in err["exception_message"] and "Wan 2.1" in err["exception_message"]
+
+
+def test_vae_config_without_is_residual_converts_like_wan21(wan21_package, tmp_path):
+    # diffusers before the Wan 2.2 VAE wrote no is_residual: such a config is a Wan 2.1 VAE.
+    old = tmp_path / "old-diffusers"
+    shutil.copytree(wan21_package / "vae", old / "vae")
+    config = json.loads((old / "vae" / "config.json").read_text())
+    assert config.pop("is_residual") is False
+    (old / "vae" / "config.json").write_text(json.dumps(config))
+    converted, expected = load_original_wan21(old), load_original_wan21(wan21_package)
+    assert len(converted) == len(expected) > 0 and converted.keys() == expected.keys()
+    assert all(torch.equal(converted[k], expected[k]) for k in expected)
+
+
+@comfy
+def test_vae_with_missing_tensors_is_an_error_naming_them(comfy_server, wan21_package, tmp_path):
+    """A package VAE without its last decoder conv still converts (every tensor present maps), but ComfyUI
+    would build that layer with random weights and VAE Decode would give noise: the node refuses it."""
+    from safetensors.torch import load_file, save_file
+
+    partial = tmp_path / "lingbot-tiny-wan21-partial"
+    shutil.copytree(wan21_package, partial)
+    file = partial / "vae" / "diffusion_pytorch_model.safetensors"
+    state = load_file(str(file))
+    del state["decoder.conv_out.weight"], state["decoder.conv_out.bias"]
+    save_file(state, str(file))
+    comfy_server.add_model(partial.name, partial)
+    prompt = {
+        "1": {"class_type": "LoadLingbotVAE", "inputs": {"model": partial.name}},
+        "2": {"class_type": "EmptyHunyuanLatentVideo", "inputs": {"width": 32, "height": 32, "length": 1, "batch_size": 1}},
+        "3": {"class_type": "VAEDecode", "inputs": {"samples": ["2", 0], "vae": ["1", 0]}},
+        "4": {"class_type": "PreviewImage", "inputs": {"images": ["3", 0]}},
+    }
+    entry = comfy_server.run(prompt, timeout=120, check=False)
+    err = execution_error(entry)
+    assert err is not None, "a VAE missing decoder.head.2 was loaded and decoded"
+    assert (err["node_id"], err["node_type"]) == ("1", "LoadLingbotVAE")
+    assert "missing ['decoder.head.2.bias', 'decoder.head.2.weight']" in err["exception_message"], err["exception_message"]
