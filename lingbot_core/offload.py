@@ -333,15 +333,19 @@ class HomeOffload(CpuOffload):
     def _go_home(self, module: nn.Module) -> None:
         for sub in module.modules():
             for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
-                for name, t in table.items():
+                for name, t in list(table.items()):
                     if t is None:
                         continue
                     key = (id(sub), name)
                     home = self.homes.get(key)
-                    if t.device.type == "cpu":
-                        self.homes[key] = t.data
-                    elif home is not None and home.shape == t.shape and home.dtype == t.dtype:
-                        StreamUnit._set(sub, name, is_param, home)
+                    if home is None:
+                        if t.device.type == "cpu":
+                            self.homes[key] = t.data
+                    elif t.data_ptr() != home.data_ptr():  # a device copy (weights never change while hooked)
+                        if home.shape == t.shape and home.dtype == t.dtype:
+                            StreamUnit._set(sub, name, is_param, home)
+                        else:  # replaced: module.to("cpu") brings it back; it is the home next time
+                            del self.homes[key]
 
     def init_hook(self, module):
         self._go_home(module)
