@@ -434,7 +434,7 @@ def test_staging_thread_overlaps_and_waits(deep_package, deep_reference, test_im
         streams = RecordingStreams()
         frames, used = stream_run(pipe, streams, image=test_image, **RUN)
         assert streams.violations == []
-        assert len(used) == (DEPTH - k) * RUN["steps"] and all(used)  # every block ran on its own weights
+        assert len(used) == (DEPTH - k) * RUN["steps"] * 2 and all(used)  # both CFG branches of every block ran on its own weights
         np.testing.assert_allclose(frames, deep_reference, rtol=0, atol=1e-4)
         assert streams.copy_threads == {"lingbot-staging_0"}  # never the thread that runs the DiT
         assert staging_refills_waited(streams.calls)
