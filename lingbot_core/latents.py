@@ -276,6 +276,15 @@ def _tiles_apply(vae, z: torch.Tensor) -> bool:
 
 
 def _tiled_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """See :func:`_tiled_decode_parts`; first fires the VAE's offload hook, as ``vae.decode`` does
+    (diffusers' ``apply_forward_hook``): the decoder's modules are called directly here."""
+    hook = getattr(vae, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(vae)
+    return _tiled_decode_parts(vae, z)
+
+
+def _tiled_decode_parts(vae, z: torch.Tensor) -> torch.Tensor:
     """The Wan VAE's tiled decode (the same tiles, causal frame loop and linear blends as
     ``AutoencoderKLWan.tiled_decode``, so the same numbers), streamed to the host.
 

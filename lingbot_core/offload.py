@@ -21,6 +21,7 @@ stage always runs with exactly its own component resident and leaves nothing beh
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, List, Optional
@@ -521,6 +522,9 @@ class BlockRing:
         self.host_slots: List[_HostSlot] = []
         self.running: Optional[StreamUnit] = None  # the block computing now: its buffer is never taken
         self.streams = None  # the CudaStreams of the last asynchronous load
+        # What the ring did (bench/ring_probe.py reports it): host seconds spent filling staging buffers,
+        # bytes and blocks copied to the device.
+        self.stats = {"host_copy_s": 0.0, "bytes": 0, "copies": 0}
         self._worker: Optional[ThreadPoolExecutor] = None
         self._next_device = 0
         self._next_host = 0
@@ -559,16 +563,14 @@ class BlockRing:
         slot = self._device_slot(device, streams)  # allocated here, on the compute stream's thread
         host = self._host_slot()
         if streams is None:  # no streams (a CPU run on the fake device): copy now, in order with compute
-            staging = host.pinned.tensor
-            for *_, home, view in unit.views(staging):
-                view.copy_(home)
-            slot.buffer[:unit.span].copy_(staging[:unit.span])
+            _fill(self, unit, host.pinned.tensor)
+            slot.buffer[:unit.span].copy_(host.pinned.tensor[:unit.span])
         else:
             self.streams = streams
             if self._worker is None:
                 self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
             done, slot.done = slot.done, None
-            slot.pending = self._worker.submit(_stage, streams, unit, host, slot, done)
+            slot.pending = self._worker.submit(_stage, self, streams, unit, host, slot, done)
         for module, name, is_param, _, view in unit.views(slot.buffer):
             StreamUnit._set(module, name, is_param, view)
         slot.unit, unit.buffer = unit, slot
@@ -629,15 +631,23 @@ class BlockRing:
         self._next_host = 0
 
 
-def _stage(streams, unit: StreamUnit, host: _HostSlot, slot: _DeviceSlot, done) -> None:
+def _fill(ring: BlockRing, unit: StreamUnit, staging: torch.Tensor) -> None:
+    t0 = time.perf_counter()
+    for *_, home, view in unit.views(staging):
+        view.copy_(home)
+    ring.stats["host_copy_s"] += time.perf_counter() - t0
+    ring.stats["bytes"] += unit.nbytes
+    ring.stats["copies"] += 1
+
+
+def _stage(ring: BlockRing, streams, unit: StreamUnit, host: _HostSlot, slot: _DeviceSlot, done) -> None:
     """The staging thread's job: fill ``host``'s pinned buffer with ``unit`` and copy it into ``slot``
     on the side stream. Jobs run one at a time, in submission order."""
     if host.copied is not None:
         streams.host_waits(host.copied)  # the copy out of this staging buffer, two blocks ago, has finished
         host.copied = None
     staging = host.pinned.tensor
-    for *_, home, view in unit.views(staging):
-        view.copy_(home)
+    _fill(ring, unit, staging)
     if done is not None:
         streams.side_waits(done)  # the block that used this device buffer has run
     streams.copy_on_side(slot.buffer[:unit.span], staging[:unit.span])
