@@ -12,12 +12,15 @@ moment :meth:`PinnedBuffer.free` runs.
 from __future__ import annotations
 
 import logging
+import mmap
+import weakref
 
 import torch
 
 logger = logging.getLogger("lingbot_core")
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as cudaHostAlloc's default
+PAGE = mmap.PAGESIZE  # page locking works on whole pages
 
 
 class PinnedBuffer:
@@ -26,27 +29,52 @@ class PinnedBuffer:
     ``pinned`` is False where CUDA is not available or the OS refused the lock (a pinned-memory limit:
     WSL, Windows caps it near half of RAM); the buffer then still works, as pageable memory, and
     host-to-device copies from it simply do not overlap compute.
+
+    The locked range is whole pages that belong to this buffer only: the allocation is one page
+    larger, and ``tensor`` starts at its first page boundary. Two small buffers from the same heap page
+    would otherwise register overlapping pages, and CUDA refuses the second registration
+    (``cudaErrorHostMemoryAlreadyRegistered``). A buffer dropped without :meth:`free` (a pipeline
+    released by the garbage collector) is unlocked by its finalizer.
     """
 
     def __init__(self, nbytes: int):
         self.nbytes = int(nbytes)
-        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8)
         self.pinned = False
+        locked = -(-self.nbytes // PAGE) * PAGE
+        raw = torch.empty(locked + PAGE if self.nbytes else 0, dtype=torch.uint8)
+        start = -raw.data_ptr() % PAGE if self.nbytes else 0
+        self.tensor = raw[start:start + self.nbytes]
+        self._finalizer = None
         if self.nbytes and torch.cuda.is_available():
-            err = int(torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, _PORTABLE))
+            ptr = raw.data_ptr() + start
+            err = _register(ptr, locked)
             if err == 0:
                 self.pinned = True
+                # Holds ``raw`` (not ``self``): the memory stays allocated until it is unlocked.
+                self._finalizer = weakref.finalize(self, _unregister, ptr, raw)
             else:
                 _discard_cuda_error()
                 logger.info("offload=block: could not pin a %d MiB staging buffer (cudaError %d); copies will not "
                             "overlap compute.", self.nbytes >> 20, err)
 
     def free(self) -> None:
-        if self.pinned:
-            self.pinned = False
-            if int(torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())) != 0:
-                _discard_cuda_error()
+        if self._finalizer is not None:
+            self._finalizer()  # unlocks once; a later garbage collection does nothing
+            self._finalizer = None
+        self.pinned = False
         self.tensor = None
+
+
+def _register(ptr: int, nbytes: int) -> int:
+    return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, _PORTABLE))
+
+
+def _unregister(ptr: int, raw: torch.Tensor) -> None:
+    try:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            _discard_cuda_error()
+    except Exception:  # a finalizer at interpreter exit, after CUDA was torn down: the process unlocks all
+        pass
 
 
 def pinned_buffer(nbytes: int) -> PinnedBuffer:

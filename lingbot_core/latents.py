@@ -212,28 +212,134 @@ def vae_tiling(vae, enabled: bool, tile: Tuple[int, int] = REFINER_TILE, stride:
             setattr(vae, k, v)
 
 
+# Frames converted at a time where a whole video would otherwise make full-size temporaries on the device
+# (the encode's input, the decode's post-processing): 4 frames of 1088x1920 fp32 are 100 MB.
+CHUNK_FRAMES = 4
+
+
 def vae_encode(vae, pixels: torch.Tensor, device: torch.device) -> Posterior:
     """Encode (B, 3, T, H, W) pixels in [0, 1] on ``device``; returns the posterior on the CPU.
 
-    On CUDA the encode runs under bf16 autocast although the VAE is fp32, as the reference does.
+    On CUDA the encode runs under bf16 autocast although the VAE is fp32, as the reference does. The
+    input is built on the device in frame chunks: one fp32 copy of the video there, not three (the
+    transfer, the shift, the scale; 3 GB each for 121 frames at 1088x1920).
     """
-    x = (pixels.to(device=device, dtype=torch.float32) - 0.5) / 0.5
     autocast = device.type == "cuda" and torch.cuda.is_available()
-    if not autocast:  # no autocast off CUDA: a bf16/fp16 VAE needs inputs of its own dtype
-        x = x.to(next((p.dtype for p in vae.parameters()), torch.float32))
+    # No autocast off CUDA: a bf16/fp16 VAE needs inputs of its own dtype.
+    dtype = torch.float32 if autocast else next((p.dtype for p in vae.parameters()), torch.float32)
+    x = torch.empty(pixels.shape, dtype=dtype, device=device)
+    for t in range(0, pixels.shape[2], CHUNK_FRAMES):
+        x[:, :, t:t + CHUNK_FRAMES] = (pixels[:, :, t:t + CHUNK_FRAMES].to(device=device, dtype=torch.float32) - 0.5) / 0.5
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
         moments = vae.encode(x).latent_dist.parameters
     return Posterior(moments.detach().to("cpu"))
 
 
 def vae_decode(vae, latents_vae: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Decode VAE-space latents (1, 16, T', h, w); returns (T, H, W, 3) float32 in [0, 1] on the CPU."""
+    """Decode VAE-space latents (1, 16, T', h, w); returns (T, H, W, 3) float32 in [0, 1] on the CPU.
+
+    With the VAE's tiling on and a latent larger than a tile, the tiles are decoded row by row and each
+    finished part leaves the device as soon as its blends are done (:func:`_tiled_decode`): the device
+    holds one row of tiles and the overlap of the row above, not the whole video (about 14 GB at 1080p).
+    Either way the output is post-processed ([-1, 1] -> [0, 1], channels last) in chunks of frames.
+    """
     vae_dtype = next((p.dtype for p in vae.parameters()), torch.float32)
     autocast = device.type == "cuda" and vae_dtype in (torch.bfloat16, torch.float16)
     # Without autocast (fp32 VAE, or any VAE off CUDA) the input must have the VAE's own dtype.
     z = latents_vae.to(device=device, dtype=torch.float32 if autocast else vae_dtype)
     z = z.contiguous(memory_format=torch.channels_last_3d)
     with torch.autocast("cuda", dtype=vae_dtype, enabled=autocast):
+        if _tiles_apply(vae, z):
+            return _tiled_decode(vae, z)
         video = vae.decode(z).sample
-    video = ((video.float().clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0)
-    return video.to("cpu").contiguous()
+    out = torch.empty(video.shape[2], video.shape[3], video.shape[4], 3, dtype=torch.float32)
+    _to_host(video, out, 0, 0)
+    return out
+
+
+def _to_host(video: torch.Tensor, out: torch.Tensor, top: int, left: int) -> None:
+    """Post-process (1, 3, T, h, w) decoded pixels in frame chunks into ``out[:, top:, left:]`` (host)."""
+    h, w = video.shape[3], video.shape[4]
+    for t in range(0, video.shape[2], CHUNK_FRAMES):
+        part = ((video[:, :, t:t + CHUNK_FRAMES].float().clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0)
+        out[t:t + part.shape[0], top:top + h, left:left + w] = part.to("cpu")
+
+
+def _tiles_apply(vae, z: torch.Tensor) -> bool:
+    """Whether diffusers' Wan VAE would decode ``z`` in tiles (and the streamed decode knows its layout)."""
+    ratio = getattr(vae, "spatial_compression_ratio", None)
+    if not getattr(vae, "use_tiling", False) or ratio is None or getattr(vae.config, "patch_size", None) is not None:
+        return False
+    if not all(hasattr(vae, a) for a in ("clear_cache", "post_quant_conv", "decoder")):
+        return False
+    return z.shape[3] > vae.tile_sample_min_height // ratio or z.shape[4] > vae.tile_sample_min_width // ratio
+
+
+def _tiled_decode(vae, z: torch.Tensor) -> torch.Tensor:
+    """See :func:`_tiled_decode_parts`; first fires the VAE's offload hook, as ``vae.decode`` does
+    (diffusers' ``apply_forward_hook``): the decoder's modules are called directly here."""
+    hook = getattr(vae, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(vae)
+    return _tiled_decode_parts(vae, z)
+
+
+def _tiled_decode_parts(vae, z: torch.Tensor) -> torch.Tensor:
+    """The Wan VAE's tiled decode (the same tiles, causal frame loop and linear blends as
+    ``AutoencoderKLWan.tiled_decode``, so the same numbers), streamed to the host.
+
+    Tile (i, j) is blended with the bottom of tile (i - 1, j) and the right of tile (i, j - 1), each
+    taken after its own blends, and contributes its top-left ``stride`` part. Only the blend overlap of
+    the previous row is kept on the device; every finished part is post-processed and copied out."""
+    ratio = vae.spatial_compression_ratio
+    _, _, frames, height, width = z.shape
+    tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
+    step_h, step_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
+    stride_h, stride_w = vae.tile_sample_stride_height, vae.tile_sample_stride_width
+    blend_h, blend_w = vae.tile_sample_min_height - stride_h, vae.tile_sample_min_width - stride_w
+    out_h, out_w = height * ratio, width * ratio
+    out = None
+    above = {}  # column -> the last rows of that column's tile in the previous row (after its blends)
+    for top in range(0, height, step_h):
+        left_tile = None
+        bottoms = {}
+        for left in range(0, width, step_w):
+            tile = _decode_tile(vae, z[:, :, :, top:top + tile_h, left:left + tile_w], frames)
+            if out is None:
+                out = torch.empty(tile.shape[2], out_h, out_w, 3, dtype=torch.float32)
+            if left in above:
+                _blend_rows(above.pop(left), tile, blend_h)
+            if left_tile is not None:
+                _blend_cols(left_tile, tile, blend_w)
+            y, x = top * ratio, left * ratio
+            part = tile[:, :, :, :min(stride_h, out_h - y), :min(stride_w, out_w - x)]
+            _to_host(part, out, y, x)
+            bottoms[left] = tile[:, :, :, -min(blend_h, tile.shape[3]):].clone() if blend_h > 0 else None
+            left_tile = tile
+        above = {k: v for k, v in bottoms.items() if v is not None}
+    vae.clear_cache()
+    return out
+
+
+def _decode_tile(vae, tile_latent: torch.Tensor, frames: int) -> torch.Tensor:
+    vae.clear_cache()
+    decoded = []
+    for k in range(frames):  # the causal decoder: one latent frame at a time through its feature cache
+        vae._conv_idx = [0]
+        x = vae.post_quant_conv(tile_latent[:, :, k:k + 1])
+        decoded.append(vae.decoder(x, feat_cache=vae._feat_map, feat_idx=vae._conv_idx, first_chunk=k == 0))
+    return torch.cat(decoded, dim=2)
+
+
+def _blend_rows(upper: torch.Tensor, tile: torch.Tensor, extent: int) -> None:
+    """Fade from ``upper``'s last rows into ``tile``'s first rows, in place (row y weighs y / extent)."""
+    extent = min(upper.shape[-2], tile.shape[-2], extent)
+    for y in range(extent):
+        tile[:, :, :, y, :] = upper[:, :, :, -extent + y, :] * (1 - y / extent) + tile[:, :, :, y, :] * (y / extent)
+
+
+def _blend_cols(left: torch.Tensor, tile: torch.Tensor, extent: int) -> None:
+    """Fade from ``left``'s last columns into ``tile``'s first columns, in place."""
+    extent = min(left.shape[-1], tile.shape[-1], extent)
+    for x in range(extent):
+        tile[:, :, :, :, x] = left[:, :, :, :, -extent + x] * (1 - x / extent) + tile[:, :, :, :, x] * (x / extent)

@@ -26,7 +26,7 @@ from .fp8 import (
 )
 from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
-from .precision import auto_dtypes
+from .precision import auto_dtypes, fp8_compute_dtype
 from .attention import diffusers_backend
 from .placement import check_component_devices
 from .scheduling import load_scheduler_config
@@ -242,7 +242,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
     ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
-    storage, bf16 compute); missing keys default to bf16 DiT and text encoder on CUDA (fp32 on CPU) and
+    storage, computed in ``auto``'s DiT dtype for the device: bf16, fp16 below sm80); missing keys default to bf16 DiT and text encoder on CUDA (fp32 on CPU) and
     an fp32 VAE. ``blocks_on_gpu`` is the number of DiT blocks kept resident under ``offload="block"``.
     ``attention``, ``compile_blocks`` and ``cfg_lockstep`` are the speed options of
     :meth:`LingbotPipeline.set_speed` (checked before any weight is read).
@@ -264,12 +264,13 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
             raise ValueError(f"dtypes has unknown component {key!r}; use {', '.join(chosen)}.")
         chosen[key] = _dtype(value, DIT_DTYPES if key == "transformer" else DTYPES, key)
     SpeedOptions(attention, compile_blocks, cfg_lockstep)  # checked before any weight is read
-    dit_compute = FP8_COMPUTE_DTYPE if is_fp8(chosen["transformer"]) else chosen["transformer"]
+    dit_compute = fp8_compute_dtype(device) if is_fp8(chosen["transformer"]) else chosen["transformer"]
     diffusers_backend(attention, device, dit_compute)
     root = check_package(model_dir, transformer_subfolder)
     loras = check_loras(loras, root, transformer_subfolder)
 
     transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
+    transformer.fp8_compute_dtype = fp8_compute_dtype(device)  # used when the blocks are stored in fp8
     common = dict(local_files_only=True, use_safetensors=True)
     try:
         text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(

@@ -1,14 +1,17 @@
 """CPU offload for the three components, correct under any stage order.
 
-``none`` keeps every component on the execution device. ``model`` chains accelerate's
-``cpu_offload_with_hook`` as text_encoder -> transformer -> vae: a component moves to the device when
-its forward runs and evicts only its predecessor. ``sequential`` streams each module's weights in its
-own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a child's
-tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert weights).
-``block`` places the text encoder and VAE as ``model`` does and streams the DiT block by block
-(:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident, every other block is copied in just
-before it runs while the next one is prefetched on a side CUDA stream, through a fixed ring of two
-device buffers and two exact-size pinned staging buffers (:class:`BlockRing`).
+``none`` keeps every component on its execution device. ``model`` chains the components as
+text_encoder -> transformer -> vae (:class:`HomeOffload`, accelerate's ``CpuOffload`` that keeps each
+weight's CPU tensor): a component is copied to the device when its forward runs and evicts only its
+predecessor; evicting drops the device copy and points the module back at the CPU tensors it never
+left, so nothing is ever copied device-to-host. ``sequential`` streams each module's weights in its
+own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a
+child's tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert
+weights). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
+and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
+every other block is copied in just before it runs while the next one is prefetched, through a fixed
+ring of two device buffers and two exact-size pinned staging buffers (:class:`BlockRing`) that a
+staging thread fills while the GPU computes.
 
 The chain assumes a fixed call order; a ComfyUI graph gives none. :meth:`Offloader.stage` therefore
 evicts everything before and after each stage, also when the stage raises or is interrupted, so a
@@ -18,14 +21,17 @@ stage always runs with exactly its own component resident and leaves nothing beh
 from __future__ import annotations
 
 import logging
-from contextlib import contextmanager, nullcontext
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from typing import Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
-from accelerate import cpu_offload, cpu_offload_with_hook
+from accelerate import cpu_offload
 from accelerate.hooks import (
-    AlignDevicesHook, ModelHook, SequentialHook, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module,
+    AlignDevicesHook, CpuOffload, ModelHook, SequentialHook, UserCpuOffloadHook, add_hook_to_module,
+    remove_hook_from_module,
 )
 from accelerate.utils import send_to_device
 
@@ -153,10 +159,8 @@ class Offloader:
             prev = None
             for name in MODEL_OFFLOAD_SEQUENCE:
                 module = self.components.get(name)
-                if module is None:
-                    continue
-                _, prev = cpu_offload_with_hook(module.to("cpu"), device(name), prev_module_hook=prev)
-                self._chain.append(prev)
+                if module is not None:
+                    prev = self._chain_hook(module.to("cpu"), device(name), prev)
         elif mode == "block":
             prev = None
             for name in MODEL_OFFLOAD_SEQUENCE:
@@ -166,16 +170,34 @@ class Offloader:
                 module.to("cpu")
                 if name == "transformer":
                     add_hook_to_module(module, BlockStreamer(device(name), self.blocks_on_gpu))
+                elif name == "text_encoder":  # 8.3 GiB whole: by layers, so block's bound holds at prompt encode
+                    self._stream_layers(name, module, device(name))
                 else:
-                    _, prev = cpu_offload_with_hook(module, device(name), prev_module_hook=prev)
-                    self._chain.append(prev)
+                    prev = self._chain_hook(module, device(name), prev)
         else:
             for name, module in self.components.items():
                 module.to("cpu")
-                cpu_offload(
-                    module, device(name), offload_buffers=len(module._parameters) > 0,
-                    preload_module_classes=self.preload.get(name) or None,
-                )
+                self._stream_layers(name, module, device(name))
+
+    def _chain_hook(self, module: nn.Module, device: torch.device, prev) -> UserCpuOffloadHook:
+        """accelerate's ``cpu_offload_with_hook`` with :class:`HomeOffload` instead of ``CpuOffload``."""
+        hook = HomeOffload(execution_device=device, prev_module_hook=prev)
+        add_hook_to_module(module, hook, append=True)
+        user = UserCpuOffloadHook(module, hook)
+        self._chain.append(user)
+        return user
+
+    def _stream_layers(self, name: str, module: nn.Module, device: torch.device) -> None:
+        cpu_offload(module, device, offload_buffers=len(module._parameters) > 0,
+                    preload_module_classes=self.preload.get(name) or None)
+
+    def expect_forwards(self, n: Optional[int]) -> None:
+        """The DiT forwards the running stage will make (None: unknown). Offload ``block`` then does not
+        prefetch the first block after the last forward's last block (a copy nothing would use)."""
+        transformer = self.components.get("transformer")
+        for hook in _hooks(transformer) if transformer is not None else ():
+            if isinstance(hook, BlockStreamer):
+                hook.forwards_left = n
 
     def remove_hooks(self) -> None:
         """Detach every hook; sequential weights are restored to their CPU tensors by accelerate."""
@@ -206,10 +228,12 @@ class Offloader:
         """Leave no component on the execution device.
 
         model: offload every component of the chain (a full reset of the chain's state).
-        block: the same for the text encoder and VAE, and every DiT block and the DiT's other weights.
+        block: the same for the VAE, and every DiT block and the DiT's other weights; the text encoder
+        as under sequential.
         sequential: put back on ``meta`` any weights that a forward which raised left materialised.
         none: nothing to do.
         """
+        dirty = False
         if self.mode in ("model", "block"):
             for hook in self._chain:
                 hook.offload()
@@ -217,17 +241,16 @@ class Offloader:
             for hook in _hooks(transformer) if transformer is not None else ():
                 if isinstance(hook, BlockStreamer):
                     hook.offload_all()
-            empty_device_cache(self.device)
-        elif self.mode == "sequential":
-            dirty = False
+            dirty = True
+        if self.mode in ("sequential", "block"):
             for module in self.components.values():
                 for sub in module.modules():
                     for hook in _hooks(sub):
                         if isinstance(hook, AlignDevicesHook) and hook.offload and _has_materialised(sub, hook):
                             hook.post_forward(sub, None)
                             dirty = True
-            if dirty:
-                empty_device_cache(self.device)
+        if dirty:
+            empty_device_cache(self.device)
 
     @contextmanager
     def stage(self) -> Iterator[None]:
@@ -293,6 +316,48 @@ def _has_materialised(module: nn.Module, hook: AlignDevicesHook) -> bool:
     return any(t.device.type != "meta" for _, t in tensors)
 
 
+class HomeOffload(CpuOffload):
+    """accelerate's ``CpuOffload`` (offload ``model``'s chain) that never copies weights back.
+
+    ``CpuOffload`` evicts with ``module.to("cpu")``: every weight, unchanged since it was copied in, is
+    copied device-to-host again into fresh pageable memory (8.3 GiB for the text encoder at every stage
+    end). This hook remembers each tensor's CPU tensor (its home) while the module is on the CPU, and
+    evicts by pointing the module back at the homes, which drops the device copies: PCIe carries the
+    weights one way only. A tensor without a home (added while the module was on the device) still
+    goes through ``module.to("cpu")``, which is a no-op for everything else.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.homes: Dict[tuple, torch.Tensor] = {}
+
+    def _go_home(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            for is_param, table in ((True, sub._parameters), (False, sub._buffers)):
+                for name, t in list(table.items()):
+                    if t is None:
+                        continue
+                    key = (id(sub), name)
+                    home = self.homes.get(key)
+                    if home is None:
+                        if t.device.type == "cpu":
+                            self.homes[key] = t.data
+                    elif t.data_ptr() != home.data_ptr():  # a device copy (weights never change while hooked)
+                        if home.shape == t.shape and home.dtype == t.dtype:
+                            StreamUnit._set(sub, name, is_param, home)
+                        else:  # replaced: module.to("cpu") brings it back; it is the home next time
+                            del self.homes[key]
+
+    def init_hook(self, module):
+        self._go_home(module)
+        return super().init_hook(module)
+
+    def detach_hook(self, module):
+        self._go_home(module)
+        self.homes = {}
+        return module
+
+
 # ----------------------------------------------------------------------------------------------
 # Offload mode "block": the DiT streamed block by block
 # ----------------------------------------------------------------------------------------------
@@ -348,13 +413,13 @@ class StreamUnit:
             n = home.numel() * home.element_size()
             yield module, name, is_param, home, flat[off:off + n].view(home.dtype).view(home.shape)
 
-    def onload(self, device: torch.device, stream=None) -> None:
-        """Copy to ``device``: through the ring (asynchronously on ``stream`` when given), else in order
-        with compute."""
+    def onload(self, device: torch.device, streams: Optional["CudaStreams"] = None) -> None:
+        """Copy to ``device``: through the ring (asynchronously when ``streams`` is given: the staging
+        thread fills a pinned buffer and starts the copy on the side stream), else in order with compute."""
         if self.on_device:
             return
         if self.ring is not None and device.type != "cpu":
-            self.ring.load(self, device, stream)
+            self.ring.load(self, device, streams)
         else:
             for module, name, is_param, home in self.slots:
                 self._set(module, name, is_param, home.to(device))
@@ -362,10 +427,8 @@ class StreamUnit:
 
     def wait(self) -> None:
         """Make the compute stream wait until this unit's asynchronous copy has landed."""
-        slot = self.buffer
-        if slot is not None and slot.ready is not None:
-            torch.cuda.current_stream(slot.buffer.device).wait_event(slot.ready)
-            slot.ready = None
+        if self.buffer is not None and self.ring is not None:
+            self.ring.wait(self.buffer)
 
     def offload(self) -> None:
         """Point back at the CPU homes; a ring buffer is reused once compute has passed this point."""
@@ -378,12 +441,48 @@ class StreamUnit:
         self.on_device = False
 
 
+class CudaStreams:
+    """The CUDA stream and event calls of the ring, in one place: the compute stream is the current
+    stream of the thread that runs the DiT, ``side`` the copy stream. Tests substitute an object with
+    the same methods that records the calls in order (``tests/fake_accelerator.py``)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+
+    def event(self):
+        return torch.cuda.Event()
+
+    def record_compute(self, event) -> None:
+        event.record(torch.cuda.current_stream(self.device))
+
+    def record_side(self, event) -> None:
+        event.record(self.side)
+
+    def compute_waits(self, event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(event)
+
+    def side_waits(self, event) -> None:
+        self.side.wait_event(event)
+
+    def host_waits(self, event) -> None:
+        event.synchronize()
+
+    def copy_on_side(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.side):
+            dst.copy_(src, non_blocking=True)
+
+    def synchronize(self) -> None:
+        self.side.synchronize()
+
+
 class _DeviceSlot:
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
         self.unit: Optional[StreamUnit] = None
         self.ready = None  # event on the side stream: the copy into the buffer has landed
         self.done = None  # event on the compute stream: the block that used the buffer has run
+        self.pending: Optional[Future] = None  # the staging thread's job filling this buffer
 
 
 class _HostSlot:
@@ -398,17 +497,22 @@ class BlockRing:
     ``slots`` device buffers of ``slot_bytes`` (the largest streamed block) that the blocks take in
     turn, and as many pinned staging buffers of the same, exact size. A block goes home (mmap'd or
     pageable) -> staging buffer (a host copy) -> device buffer (an asynchronous copy on the side
-    stream). Events keep each buffer from being overwritten early:
+    stream). With streams, both copies run on one staging thread, so the Python thread that queues the
+    DiT's kernels never copies weights and stays ahead of the GPU: while block j computes, the thread
+    fills the next staging buffer and starts its copy. Events keep each buffer from being overwritten
+    early:
 
     - the side stream waits for the block that last used a device buffer (``done``) before copying
       the next block into it, so the device holds at most ``slots`` streamed blocks whatever the
       allocator and however far the host runs ahead;
-    - the host waits for the last copy out of a staging buffer (``copied``) before refilling it, so
-      it stays within ``slots`` blocks of the GPU;
-    - compute waits for the copy into the buffer (``ready``) before the block runs.
+    - the staging thread waits for the last copy out of a staging buffer (``copied``) before refilling
+      it;
+    - compute waits for the staging job (on the host) and then for the copy into the buffer (``ready``,
+      on the GPU) before the block runs.
 
     Device buffers are allocated at a stage's first streamed block and dropped at its end; staging
-    buffers live as long as the hook (they are the pinned bytes the pipeline reports).
+    buffers (and the staging thread) live as long as the hook (they are the pinned bytes the pipeline
+    reports).
     """
 
     def __init__(self, slot_bytes: int, slots: int):
@@ -417,21 +521,26 @@ class BlockRing:
         self.device_slots: List[_DeviceSlot] = []
         self.host_slots: List[_HostSlot] = []
         self.running: Optional[StreamUnit] = None  # the block computing now: its buffer is never taken
+        self.streams = None  # the CudaStreams of the last asynchronous load
+        # What the ring did (bench/ring_probe.py reports it): host seconds spent filling staging buffers,
+        # bytes and blocks copied to the device.
+        self.stats = {"host_copy_s": 0.0, "bytes": 0, "copies": 0}
+        self._worker: Optional[ThreadPoolExecutor] = None
         self._next_device = 0
         self._next_host = 0
 
     def pinned_bytes(self) -> int:
         return sum(h.pinned.nbytes for h in self.host_slots if h.pinned.pinned)
 
-    def _device_slot(self, device: torch.device) -> _DeviceSlot:
+    def _device_slot(self, device: torch.device, streams) -> _DeviceSlot:
         if not self.device_slots:
             self.device_slots = [_DeviceSlot(torch.empty(self.slot_bytes, dtype=torch.uint8, device=device))
                                  for _ in range(self.slots)]
-            if device.type == "cuda" and torch.cuda.is_available():
+            if streams is not None:
                 # The allocator may hand out memory that kernels queued on the compute stream still read
                 # (stream-ordered reuse): the side stream must not write into it before they have run.
-                allocated = torch.cuda.Event()
-                allocated.record(torch.cuda.current_stream(device))
+                allocated = streams.event()
+                streams.record_compute(allocated)
                 for slot in self.device_slots:
                     slot.done = allocated
         for _ in range(self.slots):
@@ -448,39 +557,55 @@ class BlockRing:
             self.host_slots = [_HostSlot(host_memory.pinned_buffer(self.slot_bytes)) for _ in range(self.slots)]
         host = self.host_slots[self._next_host]
         self._next_host = (self._next_host + 1) % self.slots
-        if host.copied is not None:
-            host.copied.synchronize()
-            host.copied = None
         return host
 
-    def load(self, unit: StreamUnit, device: torch.device, stream=None) -> None:
-        slot = self._device_slot(device)  # allocated here, on the compute stream, never on the side stream
+    def load(self, unit: StreamUnit, device: torch.device, streams=None) -> None:
+        slot = self._device_slot(device, streams)  # allocated here, on the compute stream's thread
         host = self._host_slot()
-        staging = host.pinned.tensor
-        for *_, home, view in unit.views(staging):
-            view.copy_(home)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            if stream is not None and slot.done is not None:
-                stream.wait_event(slot.done)
-                slot.done = None
-            slot.buffer[:unit.span].copy_(staging[:unit.span], non_blocking=stream is not None)
-            if stream is not None:
-                ready = torch.cuda.Event()
-                ready.record(stream)
-                slot.ready = host.copied = ready
+        if streams is None:  # no streams (a CPU run on the fake device): copy now, in order with compute
+            _fill(self, unit, host.pinned.tensor)
+            slot.buffer[:unit.span].copy_(host.pinned.tensor[:unit.span])
+        else:
+            self.streams = streams
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
+            done, slot.done = slot.done, None
+            slot.pending = self._worker.submit(_stage, self, streams, unit, host, slot, done)
         for module, name, is_param, _, view in unit.views(slot.buffer):
             StreamUnit._set(module, name, is_param, view)
         slot.unit, unit.buffer = unit, slot
+
+    def wait(self, slot: _DeviceSlot) -> None:
+        """Compute may read ``slot`` once its staging job has run (host) and its copy has landed (GPU)."""
+        if slot.pending is not None:
+            slot.pending, job = None, slot.pending
+            job.result()  # re-raises a failed staging job here, in the stage
+        if slot.ready is not None:
+            self.streams.compute_waits(slot.ready)
+            slot.ready = None
+
+    def drain(self) -> None:
+        """Wait for every staging job and every copy on the side stream (a stage's end)."""
+        for slot in self.device_slots:
+            if slot.pending is not None:
+                slot.pending, job = None, slot.pending
+                job.exception()  # a failed prefetch nothing used is dropped with its buffer
+        if self.streams is not None:
+            self.streams.synchronize()
 
     def left(self, unit: StreamUnit) -> None:
         """``unit`` went home: its buffer may be refilled once the compute stream has passed here."""
         slot, unit.buffer = unit.buffer, None
         if slot is None:
             return
-        if slot.buffer.is_cuda:
-            done = torch.cuda.Event()
-            done.record(torch.cuda.current_stream(slot.buffer.device))
+        if slot.pending is not None:  # a prefetch that never ran: its job must finish before the buffer is reused
+            slot.pending, job = None, slot.pending
+            job.exception()
+        if self.streams is not None:
+            done = self.streams.event()
+            self.streams.record_compute(done)
             slot.done = done
+        slot.ready = None
         slot.unit = None
         if self.running is unit:
             self.running = None
@@ -494,13 +619,41 @@ class BlockRing:
         self._next_device = 0
 
     def release_host(self) -> None:
-        """Unpin and drop the staging buffers (hook removed; no copy out of them is pending)."""
+        """Stop the staging thread, unpin and drop the staging buffers (hook removed)."""
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
         for host in self.host_slots:
             if host.copied is not None:
-                host.copied.synchronize()
+                self.streams.host_waits(host.copied)
             host.pinned.free()
         self.host_slots = []
         self._next_host = 0
+
+
+def _fill(ring: BlockRing, unit: StreamUnit, staging: torch.Tensor) -> None:
+    t0 = time.perf_counter()
+    for *_, home, view in unit.views(staging):
+        view.copy_(home)
+    ring.stats["host_copy_s"] += time.perf_counter() - t0
+    ring.stats["bytes"] += unit.nbytes
+    ring.stats["copies"] += 1
+
+
+def _stage(ring: BlockRing, streams, unit: StreamUnit, host: _HostSlot, slot: _DeviceSlot, done) -> None:
+    """The staging thread's job: fill ``host``'s pinned buffer with ``unit`` and copy it into ``slot``
+    on the side stream. Jobs run one at a time, in submission order."""
+    if host.copied is not None:
+        streams.host_waits(host.copied)  # the copy out of this staging buffer, two blocks ago, has finished
+        host.copied = None
+    staging = host.pinned.tensor
+    _fill(ring, unit, staging)
+    if done is not None:
+        streams.side_waits(done)  # the block that used this device buffer has run
+    streams.copy_on_side(slot.buffer[:unit.span], staging[:unit.span])
+    ready = streams.event()
+    streams.record_side(ready)
+    slot.ready = host.copied = ready
 
 
 class BlockStreamer(ModelHook):
@@ -508,15 +661,17 @@ class BlockStreamer(ModelHook):
 
     At the DiT's forward, its non-block weights and the first ``blocks_on_gpu`` blocks go to the
     execution device (they stay until the stage ends). Each other block has its own hook: before it
-    runs, its copy is awaited (or made) and the next streamed block's copy is started on a side CUDA
-    stream; after it runs, it goes home. Streamed blocks live in the fixed buffers of a
+    runs, its copy is awaited (or made) and the next streamed block's copy is started by the ring's
+    staging thread; after it runs, it goes home. Streamed blocks live in the fixed buffers of a
     :class:`BlockRing`, so at most ``blocks_on_gpu + 2`` blocks are resident and only the ring's
     staging buffers are pinned. After the last block the first streamed block is prefetched for the
-    next forward (the next CFG branch or step); :meth:`offload_all` (every stage reset) drops
-    everything on the device.
+    next forward (the next CFG branch or step) unless the stage said this was its last forward
+    (``forwards_left``, :meth:`Offloader.expect_forwards`); :meth:`offload_all` (every stage reset)
+    drops everything on the device.
 
     On a CPU execution device the "copies" are the CPU tensors themselves and neither the ring nor a
-    stream is used, so the numbers are those of the unhooked model.
+    stream is used, so the numbers are those of the unhooked model. ``streams`` is None off CUDA
+    (the fake device of the tests then copies in order, or the tests set a recording stand-in).
     """
 
     def __init__(self, execution_device: torch.device, blocks_on_gpu: int):
@@ -525,11 +680,8 @@ class BlockStreamer(ModelHook):
         self.core: Optional[StreamUnit] = None
         self.streamed: List[StreamUnit] = []
         self.ring: Optional[BlockRing] = None
-        self._stream = None
-
-    @property
-    def _cuda(self) -> bool:
-        return self.execution_device.type == "cuda" and torch.cuda.is_available()
+        self.streams = None
+        self.forwards_left: Optional[int] = None  # DiT forwards the stage still makes (None: unknown)
 
     def init_hook(self, module):
         blocks = list(module.blocks)
@@ -550,37 +702,41 @@ class BlockStreamer(ModelHook):
     def pinned_bytes(self) -> int:
         return self.ring.pinned_bytes() if self.ring is not None else 0
 
-    def _side_stream(self):
-        if not self._cuda:
-            return None
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.execution_device)
-        return self._stream
+    def _streams(self):
+        if self.streams is None and self.execution_device.type == "cuda" and torch.cuda.is_available():
+            self.streams = CudaStreams(self.execution_device)
+        return self.streams
 
     def pre_forward(self, module, *args, **kwargs):
+        if self.forwards_left is not None:
+            self.forwards_left -= 1
         self.core.onload(self.execution_device)
         if self.streamed:
-            self.streamed[0].onload(self.execution_device, self._side_stream())
+            self.streamed[0].onload(self.execution_device, self._streams())
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
     def before_block(self, j: int) -> None:
         unit = self.streamed[j]
-        unit.onload(self.execution_device, self._side_stream())  # no-op when prefetched
+        unit.onload(self.execution_device, self._streams())  # no-op when prefetched
         unit.wait()
         self.ring.running = unit
+        last = j + 1 == len(self.streamed)
+        if last and self.forwards_left is not None and self.forwards_left <= 0:
+            return  # the stage's last forward: block 0 would be copied for nothing
         nxt = self.streamed[(j + 1) % len(self.streamed)]
         if nxt is not unit:
-            nxt.onload(self.execution_device, self._side_stream())
+            nxt.onload(self.execution_device, self._streams())
 
     def after_block(self, j: int) -> None:
         self.streamed[j].offload()
 
     def offload_all(self) -> None:
-        if self._stream is not None:
-            self._stream.synchronize()
+        if self.ring is not None:
+            self.ring.drain()
         for unit in [self.core, *self.streamed]:
             if unit is not None:
                 unit.offload()
+        self.forwards_left = None
         if self.ring is not None:
             self.ring.running = None
             self.ring.release_device()

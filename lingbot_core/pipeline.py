@@ -341,6 +341,7 @@ class LingbotPipeline:
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
+            self.offloader.expect_forwards(len(sigmas) * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)

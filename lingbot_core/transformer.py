@@ -25,7 +25,7 @@ from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_a
 from diffusers.models.modeling_utils import ModelMixin
 
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
-from .precision import grouped_mm_fast
+from .precision import grouped_mm_supported
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -130,20 +130,25 @@ def rope_position_ids(grid: Sequence[int], text_len: int) -> torch.Tensor:
 
 
 def rope_frequencies(positions: torch.Tensor, axes_dims: Sequence[int], theta: float) -> torch.Tensor:
-    """complex64 (S, sum(axes_dims)/2): per-axis angles in float64, cast to fp32, then cos + i sin."""
+    """fp32 (S, sum(axes_dims)/2, 2): per-axis angles in float64, cast to fp32, then (cos, sin).
+
+    Real numbers, not complex64, so that ``compile_blocks`` can fuse the rotation (inductor generates no
+    code for complex ops); the layout is ``view_as_real`` of the complex table ``cos + i sin``."""
     tables = []
     for axis, dim in enumerate(axes_dims):
         inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
         angle = (positions[:, axis].to(torch.float64)[:, None] * inv[None, :]).to(torch.float32)
-        tables.append(torch.polar(torch.ones_like(angle), angle))
-    return torch.cat(tables, dim=-1)
+        tables.append(torch.stack([torch.cos(angle), torch.sin(angle)], dim=-1))
+    return torch.cat(tables, dim=1)
 
 
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Interleaved-pair rotation of (B, S, heads, head_dim) by complex (S, head_dim/2), in fp32."""
-    z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
-    z = z * freqs[None, :, None, :]
-    return torch.view_as_real(z).flatten(-2).to(x.dtype)
+    """Interleaved-pair rotation of (B, S, heads, head_dim) by the (cos, sin) table (S, head_dim/2, 2),
+    in fp32: the pair (a, b) becomes (a cos - b sin, a sin + b cos), the complex product."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
 
 
 def timestep_projection(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -246,11 +251,21 @@ class Experts(nn.Module):
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return grouped_mm_fast(x.device)
+    return grouped_mm_supported(x.device)
 
 
 # Tokens per ``torch._grouped_mm`` pass: bounds the gathered (token, expert) rows to 8 x 8192 rows at a time.
 GROUPED_CHUNK_TOKENS = 8192
+
+
+def _sort_pairs(ids: torch.Tensor, num_experts: int):
+    """The (token, expert) pairs sorted by expert, stably: ``order`` (pair indices) and ``ends``
+    (int64 (E,): end of each expert's slice in the sorted pairs). Computed on the device by a
+    ``searchsorted`` of the sorted ids, not ``bincount``, which reads its maximum back to the host on CUDA."""
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    bounds = torch.arange(1, num_experts + 1, device=ids.device, dtype=flat.dtype)
+    return order, torch.searchsorted(flat[order], bounds)
 
 
 def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts: Experts,
@@ -258,16 +273,18 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     """Sum over the selected experts of ``gate * expert(x)``, in fp32, for tokens ``x`` (N, D) bf16.
 
     The (token, expert) pairs are sorted by expert once (stably: tokens stay ascending within an
-    expert), so each expert reads a contiguous slice of the sorted rows, and the slice sizes need one
-    host sync per call instead of one scan and sync per expert. Each expert gathers only its own rows
-    (never all N * k pairs at once), and its weighted output is added into the fp32 sum in ascending
-    expert id: per token the same rows, operations and order as one ``index_add_`` per expert over
-    ``ids == e``, hence the same bits.
+    expert), so each expert reads a contiguous slice of the sorted rows. Each expert gathers only its
+    own rows (never all N * k pairs at once), and its weighted output is added into the fp32 sum in
+    ascending expert id: per token the same rows, operations and order as one ``index_add_`` per expert
+    over ``ids == e``, hence the same bits. This per-expert loop needs the slice sizes on the host: one
+    host sync per call (the one ``tolist``).
 
-    ``grouped`` runs the experts as one ``torch._grouped_mm`` per weight stack (no host sync), in chunks
-    of :data:`GROUPED_CHUNK_TOKENS` tokens, and then adds each token's k contributions in ascending
-    expert id, starting from zero: the same bits again where the grouped kernel computes each row as a
-    matmul would (checked on CPU; scripts/gpu-check compares on CUDA).
+    ``grouped`` (the default wherever ``torch._grouped_mm`` runs on the device, see
+    ``precision.grouped_mm_supported``) runs the experts as one ``torch._grouped_mm`` per weight stack,
+    in chunks of :data:`GROUPED_CHUNK_TOKENS` tokens, with the offsets kept on the device (no host sync
+    in this function), and then adds each token's k contributions in ascending expert id, starting from
+    zero: the same bits again where the grouped kernel computes each row as a matmul would (checked on
+    CPU; scripts/gpu-check compares on CUDA).
     """
     if grouped is None:
         grouped = _use_grouped_mm(x)
@@ -275,21 +292,19 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     if grouped:
         return _run_experts_grouped(x, ids, gates, w1, w3, w2)
     n, k = ids.shape
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
+    order, ends = _sort_pairs(ids, w1.shape[0])
     rows = order // k  # token of each sorted pair
     weights = gates.reshape(-1)[order].float()[:, None]
-    counts = torch.bincount(flat, minlength=w1.shape[0])
     out = torch.zeros(n, w2.shape[1], dtype=torch.float32, device=x.device)
     start = 0
-    for e, count in enumerate(counts.tolist()):
-        if count:
-            part = rows[start:start + count]
+    for e, end in enumerate(ends.tolist()):  # the one host sync
+        if end > start:
+            part = rows[start:end]
             xe = x.index_select(0, part)
             h = F.silu(xe @ w1[e].t()) * (xe @ w3[e].t())
             # bf16 y times fp32 weights promotes to fp32: the same bits as y.float() * w, in one kernel.
-            out.index_add_(0, part, torch.mul(h @ w2[e].t(), weights[start:start + count]))
-            start += count
+            out.index_add_(0, part, torch.mul(h @ w2[e].t(), weights[start:end]))
+            start = end
     return out
 
 
@@ -299,11 +314,10 @@ def _run_experts_grouped(x, ids, gates, w1, w3, w2) -> torch.Tensor:
     w1t, w3t, w2t = (w.transpose(-2, -1) for w in (w1, w3, w2))
     for lo in range(0, n, GROUPED_CHUNK_TOKENS):
         hi = min(n, lo + GROUPED_CHUNK_TOKENS)
-        flat = ids[lo:hi].reshape(-1)
-        order = flat.argsort(stable=True)
+        order, ends = _sort_pairs(ids[lo:hi], w1.shape[0])
         xs = x[lo:hi].index_select(0, order // k)
         weights = gates[lo:hi].reshape(-1)[order].float()[:, None]
-        offsets = torch.bincount(flat, minlength=w1.shape[0]).cumsum(0).to(torch.int32)
+        offsets = ends.to(torch.int32)
         h = F.silu(torch._grouped_mm(xs, w1t, offs=offsets)) * torch._grouped_mm(xs, w3t, offs=offsets)
         ys = torch._grouped_mm(h, w2t, offs=offsets)
         position = torch.empty_like(order)
@@ -411,7 +425,8 @@ def _moe_ffn(ffn: nn.Module, f: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
     return ffn(f, dtype)
 
 
-# Expert routing sizes depend on the data (one host sync per call): traced, every step would recompile.
+# Expert routing sizes depend on the data (the per-expert loop's slice sizes): traced, every step would
+# recompile.
 _eager_moe_ffn = torch.compiler.disable(_moe_ffn)
 
 
@@ -516,11 +531,13 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         self.norm_out_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
         self.proj_out = Linear(dim, patch_dim // in_channels * out_channels, bias=True)
         self._rope_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
+        # What fp8-stored weights are computed in: bf16 unless the loader chose fp16 (below sm80, see precision).
+        self.fp8_compute_dtype = FP8_COMPUTE_DTYPE
 
     # -- RoPE table cache --------------------------------------------------------------------
 
     def rope_table(self, grid: Sequence[int], text_len: int, device: torch.device) -> torch.Tensor:
-        """The complex64 RoPE table for ``grid`` and ``text_len`` on ``device``, from a small per-model cache.
+        """The fp32 (cos, sin) RoPE table for ``grid`` and ``text_len`` on ``device``, from a small per-model cache.
 
         A bounded cache (:data:`ROPE_CACHE_SIZE` entries, least recently used dropped; CFG alternates two
         text lengths, so a run needs two): the table is built once (in float64 on the CPU, as
@@ -547,10 +564,10 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload);
-        bf16 when they are stored in fp8."""
+        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload); when
+        they are stored in fp8, :attr:`fp8_compute_dtype` (set by the loader for the execution device)."""
         dtype = self.blocks[0].attn.to_q.weight.dtype
-        return FP8_COMPUTE_DTYPE if is_fp8(dtype) else dtype
+        return self.fp8_compute_dtype if is_fp8(dtype) else dtype
 
     def to(self, *args, **kwargs):
         """Like ``nn.Module.to``, but a floating-point dtype cast keeps the fp32 islands in fp32."""

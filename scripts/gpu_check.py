@@ -1,6 +1,6 @@
 """One-command GPU check (issues 10, 15): precision, offload rows and the MoE FFN, as JSON + Markdown.
 
-    scripts/gpu-check                              # CUDA, full-size random weights (< 8 min on one H200)
+    scripts/gpu-check                              # CUDA, full-size random weights (< 9 min on one H200)
     scripts/gpu-check --device cpu --size tiny     # the same checks on the tiny fixtures (CI smoke run)
 
 Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in ``--out`` as soon as it
@@ -34,11 +34,27 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    (``--speed-steps``, default 20): attention sdpa / flash_attn / sage (those installed), compile on /
    off, ``block`` K=0 with and without CFG lockstep, step cache 0.05 and 0.1: time and peak VRAM as
    ratios to the plain run, and the max frame difference against it.
-5. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants and whether ``torch._grouped_mm`` gives
-   the bits of the per-slice path on this device).
+5. **moe**: ``bench.moe_ffn`` (the MoE feed-forward variants; on CUDA the ``torch._grouped_mm`` dispatch, the
+   default there, must give the bits of the per-expert loop).
+6. **ring** (CUDA only; issue 24): ``bench.ring_probe`` on the 4-layer full-width MoE at 480x832x121, block
+   K=0, two lockstep CFG steps: host copy seconds, GPU idle between blocks, bytes and host syncs per step.
+7. **decode** (CUDA only; issue 24): the refiner's tiled VAE decode of a 1088x1920 latent (``--decode-frames``
+   frames, default 17) with the full-size random Wan VAE: seconds and ``max_memory_allocated``.
 
-TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 420) stops starting new rows once
-that many seconds have passed; skipped rows are listed. Exits 1 when a check fails.
+Each row also reports ``per_step_s`` and ``fixed_s`` (from the step callbacks: prompt encode, image encode
+and decode, which are paid once per run) and ``projected_s`` for the 40-step run the targets are stated
+for, so an 8-step row's one-off transfers are not weighed five times over.
+
+TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 480) bounds the whole run: a row or
+part is started only while the time left covers its estimate (:data:`PART_ESTIMATE_S`); what was skipped is
+listed. The random packages are built once per run (and cached under ``--workdir``). Exits 1 when a
+check fails.
+
+**A device without diffusers** (a bare machine with torch and transformers): put the diffusers wheel (pure
+Python, ``pip download diffusers==0.42.1 --no-deps -d .whl``) in a ``.whl/`` folder at the repository root
+and carry it with the checkout (the device tool's ``carry``: ``[".whl"]``); ``scripts/gpu-check`` installs
+every wheel there with ``pip install --no-index --no-deps`` before it starts when ``import diffusers``
+fails. PyAV is not needed (no video file is written).
 """
 
 from __future__ import annotations
@@ -76,6 +92,9 @@ MOE_LAYERS = 4
 MOE_PACKAGE_VERSION = 1
 ASYNC_ALLOC = "backend:cudaMallocAsync"
 MIB = 1024 * 1024
+# Seconds a part needs at least on one H200 (estimates): a part is not started with less time left.
+PART_ESTIMATE_S = {"speed": 150, "moe": 30, "ring": 120, "decode": 90}
+DECODE_SIZE = (1088, 1920)
 
 
 @dataclass(frozen=True)
@@ -340,7 +359,7 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
     cuda = device.type == "cuda"
     pipe.set_offload(r.mode, device, blocks_on_gpu=r.blocks_on_gpu)
     steps = (r.cuda_steps if cuda and r.cuda_steps else None) or r.steps or work["steps"]
-    shas, times = [], []
+    shas, times, step_stamps = [], [], []
     te_calls = []
     hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: te_calls.append(1), with_kwargs=True)
     peak_alloc = 0
@@ -354,10 +373,13 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
                 torch.cuda.reset_peak_memory_stats(device)
             _reset_peak_rss()
             _sync(device)
+            stamps = []
             t0 = time.perf_counter()
-            frames = pipe.generate(prompt, **dict(base, steps=steps, **r.generate))
+            frames = pipe.generate(prompt, callback=lambda i, n, x0: stamps.append(time.perf_counter()),
+                                   **dict(base, steps=steps, **r.generate))
             _sync(device)
             times.append(time.perf_counter() - t0)
+            step_stamps.append(stamps)
             pinned = max(pinned, pipe.pinned_bytes())
             rss_peak = max(rss_peak, _status_kib("VmHWM") or 0)
             if cuda:
@@ -372,11 +394,26 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
            "frames_sha256": shas[0], "repeats_identical": len(set(shas)) == 1, "frames_finite": finite,
            "pinned_bytes": pinned, "host_memory_stats": _host_pins(device), "locked_mib": _locked_mib(),
            "rss_mib": round((_status_kib("VmRSS") or 0) / 1024), "rss_peak_mib": round(rss_peak / 1024)}
+    out.update(step_weights(times[-1], step_stamps[-1], steps))
     if cuda:
         out["max_memory_allocated_mib"] = round(peak_alloc / MIB)
     log(f"{r.name}: {', '.join(f'{t:.1f}' for t in times)} s" + (f", {out['max_memory_allocated_mib']} MiB" if cuda else "")
         + f", pinned {pinned / MIB:.0f} MiB, identical {out['repeats_identical']}")
     return out
+
+
+TARGET_STEPS = 40
+
+
+def step_weights(total_s: float, stamps: List[float], steps: int) -> dict:
+    """Split a run into its per-step and its one-off seconds (prompt encode, image encode, decode, the
+    first step's extra transfers), from the step callbacks' times, and project the 40-step run."""
+    if len(stamps) < 2:
+        return {}
+    per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+    fixed = max(0.0, total_s - steps * per_step)
+    return {"per_step_s": round(per_step, 3), "fixed_s": round(fixed, 2),
+            "projected_s": round(fixed + TARGET_STEPS * per_step, 1)}
 
 
 def rows_in_child(rows: List[Row], args, deadline: float, emit) -> None:
@@ -464,10 +501,42 @@ def placement_check(device, workdir: Path) -> dict:
 
 def moe_check(device, size: str) -> dict:
     from bench.moe_ffn import run
+    from lingbot_core.precision import grouped_mm_fast, grouped_mm_supported
 
-    if size == "tiny":
-        return run(str(device), tokens=256, repeats=1, tiny=True)
-    return run(str(device), tokens=3400, repeats=3)
+    out = run(str(device), tokens=256, repeats=1, tiny=True) if size == "tiny" else run(str(device), tokens=3400, repeats=3)
+    out["grouped_is_default"] = grouped_mm_supported(device)
+    out["grouped_native_kernel"] = grouped_mm_fast(device)
+    return out
+
+
+def ring_check(device) -> dict:
+    from bench.ring_probe import probe
+
+    return probe(str(device), layers=MOE_LAYERS, height=480, width=832, frames=121, steps=2)
+
+
+def decode_check(device, pkgs: Dict[str, Path], frames: int) -> dict:
+    """The refiner's tiled decode of a 1088x1920 latent with the full-size random Wan VAE."""
+    from diffusers import AutoencoderKLWan
+
+    from lingbot_core.latents import latent_shape, vae_decode, vae_tiling
+
+    vae = AutoencoderKLWan.from_pretrained(pkgs["dense"] / "vae", torch_dtype=torch.float32).to(device).eval()
+    z = torch.randn(latent_shape(frames, *DECODE_SIZE), generator=torch.Generator().manual_seed(0))
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    t0 = time.perf_counter()
+    with torch.no_grad(), vae_tiling(vae, True):
+        video = vae_decode(vae, z, device)
+    seconds = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device)
+    del vae
+    torch.cuda.empty_cache()
+    return {"size": list(DECODE_SIZE), "frames": frames, "seconds": round(seconds, 1),
+            "max_memory_allocated_mib": round(peak / MIB), "vae_weights_mib": round(base / MIB),
+            "above_weights_mib": round((peak - base) / MIB), "finite": bool(torch.isfinite(video).all()),
+            "shape": list(video.shape)}
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -487,6 +556,8 @@ def verdict(report: dict) -> bool:
         checks += [r["ok"] for r in report["placement"]["runs"]]
     if "moe" in report:
         checks.append(report["moe"]["bit_identical_to_before"].get("slices", False))
+        if report["moe"].get("grouped_is_default"):  # the dispatch that runs must give the loop's bits
+            checks.append(report["moe"]["bit_identical_to_before"].get("grouped", False))
     return bool(checks) and all(checks)
 
 
@@ -544,6 +615,27 @@ def markdown(report: dict) -> str:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
                   + ", ".join(f"{k} {v}" for k, v in moe["median_s"].items())
                   + "; bit-identical to before: " + ", ".join(f"{k} {v}" for k, v in moe["bit_identical_to_before"].items()), ""]
+    ring = report.get("ring")
+    if ring:
+        lines += [f"Ring probe ({ring['layers']}-layer full-width MoE, {'x'.join(map(str, ring['size']))}, block K=0, lockstep CFG; "
+                  f"block {ring['block_bytes'] / MIB:.0f} MiB, pinned {ring['pinned_bytes'] / MIB:.0f} MiB):", "",
+                  "| step | wall s | host copy s | GPU idle between blocks s | bytes | host syncs |", "|---:|---:|---:|---:|---:|---:|"]
+        for x in ring["per_step"]:
+            lines.append(f"| {x['step']} | {x['wall_s']} | {x['host_copy_s']} | {x['gpu_idle_between_blocks_s']} | "
+                         f"{x['bytes']:,} | {x['host_syncs']} |")
+        lines.append("")
+    dec = report.get("decode")
+    if dec:
+        lines += [f"Refine decode {dec['size'][0]}x{dec['size'][1]}, {dec['frames']} frames (tiled, fp32 Wan VAE): "
+                  f"{dec['seconds']} s, peak {dec['max_memory_allocated_mib']} MiB ({dec['above_weights_mib']} MiB above the "
+                  f"weights)", ""]
+    timed = [r for r in report.get("rows", []) if "projected_s" in r]
+    if timed:
+        lines += ["Per-step weighting (one-off seconds paid once per run; projected to 40 steps): "
+                  + "; ".join(f"{r['name']} {r['per_step_s']} s/step + {r['fixed_s']} s -> {r['projected_s']} s" for r in timed), ""]
+    skipped = [f"{k[:-8]}: {v}" for k, v in report.items() if k.endswith("_skipped")]
+    if skipped:
+        lines += ["Skipped: " + "; ".join(skipped), ""]
     lines.append(f"Result: {'PASS' if report.get('ok') else 'FAIL'}" + (" (partial)" if report.get("partial") else ""))
     return "\n".join(lines) + "\n"
 
@@ -567,10 +659,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, moe")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, moe, "
+                                              "ring, decode")
+    p.add_argument("--decode-frames", type=int, default=17, help="frames of the decode part's 1088x1920 video (CUDA)")
     p.add_argument("--speed-steps", type=int, default=20, help="steps of the speed part's workload (CUDA)")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
-    p.add_argument("--budget-s", type=float, default=420.0, help="start no new row after this many seconds")
+    p.add_argument("--budget-s", type=float, default=480.0,
+                   help="seconds for the whole run (package build included): no row or part starts that would not fit")
     p.add_argument("--child-rows", default=None, help=argparse.SUPPRESS)  # internal: the allocator child's output
     args = p.parse_args(argv)
     t_start = time.perf_counter()
@@ -617,12 +712,20 @@ def main(argv=None) -> int:
     }
     write(report, out, t_start)
     with tempfile.TemporaryDirectory(prefix="lingbot-gpu-check-") as tmp:
+        built: Dict[str, Path] = {}
+
+        def cached_packages() -> Dict[str, Path]:
+            """The random packages, built (or found under --workdir) once for every part of the run."""
+            if not built:
+                built.update(packages(args.size, workdir_full if args.size == "full" else Path(tmp)))
+            return built
+
         if "precision" not in skip:
             log("precision check (tiny) ...")
             report["precision"] = precision_check(device, Path(tmp))
             write(report, out, t_start)
         if "rows" not in skip and rows:
-            pkgs = packages(args.size, workdir_full if args.size == "full" else Path(tmp))
+            pkgs = cached_packages()
             report["packages"] = {k: str(v) for k, v in pkgs.items()}
             report["rows"] = []
 
@@ -638,10 +741,12 @@ def main(argv=None) -> int:
                 report["after_release"].append(info)
                 write(report, out, t_start)
 
-            run_rows(here, device, pkgs, work, deadline, emit, released)
+            later = [p for p in ("moe", "ring", "decode") if p not in skip and (p == "moe" or device.type == "cuda")]
+            rows_deadline = deadline - sum(PART_ESTIMATE_S[p] for p in later)  # the parts after the rows keep their time
+            run_rows(here, device, pkgs, work, rows_deadline, emit, released)
             if child and device.type == "cuda":
                 log(f"rows under PYTORCH_CUDA_ALLOC_CONF={ASYNC_ALLOC} (child process) ...")
-                rows_in_child(child, args, deadline, emit)
+                rows_in_child(child, args, rows_deadline, emit)
             for r in child if device.type != "cuda" else []:
                 emit({"name": r.name, "skipped": "CUDA only"})
         if "placement" not in skip:
@@ -651,24 +756,36 @@ def main(argv=None) -> int:
                 log("placement check (tiny) ...")
                 report["placement"] = placement_check(device, Path(tmp))
                 write(report, out, t_start)
-        if "speed" not in skip:
-            if device.type != "cuda":
-                report["speed_skipped"] = "CUDA only (flash/sage kernels and compile gains are GPU questions)"
-            elif time.perf_counter() > deadline:
-                report["speed_skipped"] = "time budget"
-            else:
-                from bench.speed import device_rows
 
-                log("speed levers ...")
-                pkgs = packages(args.size, workdir_full if args.size == "full" else Path(tmp))
-                report["speed"] = device_rows(str(pkgs["dense"]), str(device), args.speed_steps, 192, 320, 49)
+        def part(name: str, cuda_only: Optional[str] = None) -> bool:
+            """Whether to run part ``name`` now; records why not."""
+            if name in skip:
+                return False
+            if cuda_only and device.type != "cuda":
+                report[f"{name}_skipped"] = f"CUDA only ({cuda_only})"
+                return False
+            left = deadline - time.perf_counter()
+            if left < PART_ESTIMATE_S.get(name, 0) or left <= 0:
+                report[f"{name}_skipped"] = f"time budget ({max(0, round(left))} s left, needs about {PART_ESTIMATE_S.get(name, 0)} s)"
                 write(report, out, t_start)
-        if "moe" not in skip:
-            if time.perf_counter() > deadline:
-                report["moe_skipped"] = "time budget"
-            else:
-                log("MoE FFN ...")
-                report["moe"] = moe_check(device, args.size)
+                return False
+            log(f"{name} ...")
+            return True
+
+        if part("moe"):
+            report["moe"] = moe_check(device, args.size)
+            write(report, out, t_start)
+        if part("ring", "bench.ring_probe --device cpu runs it on the fake device"):
+            report["ring"] = ring_check(device)
+            write(report, out, t_start)
+        if part("decode", "a 1088x1920 decode on a CPU takes minutes"):
+            report["decode"] = decode_check(device, cached_packages(), args.decode_frames)
+            write(report, out, t_start)
+        if part("speed", "flash/sage kernels and compile gains are GPU questions"):
+            from bench.speed import device_rows
+
+            report["speed"] = device_rows(str(cached_packages()["dense"]), str(device), args.speed_steps, 192, 320, 49)
+            write(report, out, t_start)
     write(report, out, t_start, partial=False)
     print(markdown(report))
     return 0 if report["ok"] else 1

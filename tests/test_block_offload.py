@@ -54,8 +54,44 @@ def test_block_is_a_mode():
     assert OFFLOAD_MODES == ("none", "model", "sequential", "block")
 
 
+def largest_stream_unit(module) -> int:
+    """Bytes of the largest unit an ``AlignDevicesHook`` of ``module`` streams at once (a layer, or a
+    preloaded subtree such as the vision tower)."""
+    from accelerate.hooks import AlignDevicesHook
+
+    sizes = [sum(t.numel() * t.element_size() for t in m.parameters(recurse=h.place_submodules))
+             for m in module.modules() for h in _hooks_of(m) if isinstance(h, AlignDevicesHook) and h.offload]
+    return max(sizes)
+
+
+def _hooks_of(module):
+    from lingbot_core.offload import _hooks
+
+    return _hooks(module)
+
+
+def stage_peaks(pipe, tracker):
+    """Patch the pipeline's ``Offloader.stage`` (on the instance) so that each stage's peak resident
+    bytes are recorded, in order: returns the list it appends to."""
+    from contextlib import contextmanager
+
+    peaks, orig = [], pipe.offloader.stage
+
+    @contextmanager
+    def stage():
+        with orig():
+            tracker.peak_bytes = 0
+            yield
+            peaks.append(tracker.peak_bytes)
+
+    return peaks, mock.patch.object(pipe.offloader, "stage", stage)
+
+
 @pytest.mark.parametrize("k", [0, 2])
 def test_block_residency_and_frames(deep_package, deep_reference, test_image, k):
+    """Issue 24 item 2: under ``block`` the text encoder streams by layers as under ``sequential``, so the
+    stated bound holds per stage: image encode and decode <= the VAE, prompt encode <= the text encoder's
+    largest streamed unit, sampling <= the DiT's non-block weights + (K + 2) blocks."""
     pipe = load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=k)
     try:
         streamed = [i for i, b in enumerate(pipe.transformer.blocks) if hasattr(b, "_hf_hook")]
@@ -63,23 +99,30 @@ def test_block_residency_and_frames(deep_package, deep_reference, test_image, k)
         assert isinstance(pipe.transformer._hf_hook, BlockStreamer)
         with ResidencyTracker(pipe) as tr:
             leave_resident(pipe, tr)
-            tr.peak_bytes = 0
-            frames = pipe.generate("a cat", image=test_image, **RUN)
+            peaks, patch = stage_peaks(pipe, tr)
+            with patch:
+                frames = pipe.generate("a cat", image=test_image, **RUN)
             assert tr.current() == frozenset() and tr.blocks_resident() == set()
         np.testing.assert_array_equal(frames, deep_reference)
-        assert only(tr.seen("DiT"), "transformer") and only(tr.seen("TE"), "text_encoder")
-        assert only(tr.seen("VAE.enc"), "vae") and only(tr.seen("VAE.dec"), "vae")
+        assert only(tr.seen("DiT"), "transformer") and only(tr.seen("VAE.enc"), "vae") and only(tr.seen("VAE.dec"), "vae")
+        stream = tr.seen("stream")  # the text encoder streamed alone
+        assert any(stream) and all(s <= {"text_encoder"} for s in stream + tr.seen("TE"))
         # every block ran on the device, with at most K + 2 blocks there
         assert len(tr.block_snapshots) == DEPTH * 2 * RUN["steps"]
         assert all(here for _, _, here, _ in tr.block_snapshots)
         assert max(n for _, n, _, _ in tr.block_snapshots) <= k + 2
         assert tr.max_blocks_resident == k + 2  # the next block really is prefetched
-        # the non-block weights are resident during the DiT, nothing else of the other components
-        block_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.blocks[0].parameters())
-        dit_bytes = sum(p.numel() * p.element_size() for p in pipe.transformer.parameters())
-        non_block = dit_bytes - DEPTH * block_bytes
-        te_bytes = sum(p.numel() * p.element_size() for p in pipe.text_encoder.parameters())
-        assert tr.peak_bytes <= max(te_bytes, non_block + (k + 2) * block_bytes)
+        # the bound of each stage (prompt encode, image encode, sampling, decode)
+        def nbytes(m):
+            return sum(p.numel() * p.element_size() for p in m.parameters())
+        block_bytes = nbytes(pipe.transformer.blocks[0])
+        non_block = nbytes(pipe.transformer) - DEPTH * block_bytes
+        te_unit, te_bytes, vae_bytes = largest_stream_unit(pipe.text_encoder), nbytes(pipe.text_encoder), nbytes(pipe.vae)
+        assert te_unit < te_bytes
+        enc_peak, te_peak, dit_peak, dec_peak = peaks  # TI2V: the image is encoded first (the prompt encode sees it)
+        assert 0 < te_peak <= te_unit
+        assert 0 < enc_peak <= vae_bytes and 0 < dec_peak <= vae_bytes
+        assert non_block + min(k + 2, DEPTH) * block_bytes >= dit_peak > non_block + k * block_bytes
     finally:
         pipe.release()
 
@@ -218,7 +261,8 @@ def test_block_ring_pins_two_exact_buffers_and_reuses_two_device_buffers(deep_pa
         assert pipe.pinned_bytes() == sum(pins.calls)
         # two device buffers per denoise stage, of the same size; never more, however many blocks ran
         for stage in allocations:
-            assert [n for _, n, _ in stage] == pins.calls and {d for *_, d in stage} == {FAKE}
+            ring = [(n, d) for fn, n, d in stage if fn != "vae_encode"]  # the VAE's input is made on the device too
+            assert [n for n, _ in ring] == pins.calls and {d for _, d in ring} == {FAKE}
         # streamed blocks x steps x runs: CFG lockstep (issue 17) streams each block once for both branches
         assert len(seen) == (DEPTH - k) * RUN["steps"] * 2
         assert all(inside and equal for inside, equal in seen)  # every block ran on its copy in a ring buffer
@@ -334,3 +378,99 @@ def test_host_memory_is_pinned_in_one_place_only():
     assert buf.tensor.numel() == 1000 and buf.pinned == torch.cuda.is_available()
     buf.free()
     assert buf.tensor is None and not buf.pinned
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 24 item 1 / issue 25 items 10, 11: the staging thread and the events, with recorded streams
+# ---------------------------------------------------------------------------------------------
+
+
+def stream_run(pipe, streams, **run):
+    """One generate with the streamer on the fake ``cuda:3`` and ``streams`` (a RecordingStreams) as its
+    CUDA streams: the staging thread and every event run for real. Returns the frames and, per streamed
+    block call, whether its weights equalled their homes when its first Linear read them."""
+    from fake_streams import RecordingStreams  # noqa: F401  (the type the caller passes)
+
+    streamer = pipe.transformer._hf_hook
+    streamer.execution_device, streamer.streams = FAKE, streams
+    homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}
+    used = []
+
+    def probe(block):
+        return lambda m, a: used.append(all(torch.equal(p, homes[id(p)]) for p in block.parameters()))
+
+    handles = [b.attn.to_q.register_forward_pre_hook(probe(b)) for b in pipe.transformer.blocks if hasattr(b, "_hf_hook")]
+    try:
+        with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe):
+            frames = pipe.generate("a cat", **run)
+    finally:
+        for h in handles:
+            h.remove()
+    return frames, used
+
+
+def staging_refills_waited(calls) -> bool:
+    """Each copy out of a staging buffer after its first is preceded, since the previous copy out of the
+    same buffer, by a host wait on the event recorded right after that previous copy."""
+    last_event, since, pending = {}, {}, None
+    for i, (call, n, ptr) in enumerate(calls):
+        if call == "copy_on_side":
+            if ptr in last_event and ("host_waits", last_event[ptr], None) not in calls[since[ptr]:i]:
+                return False
+            pending, since[ptr] = ptr, i
+        elif call == "record_side" and pending is not None:
+            last_event[pending], pending = n, None
+    return True
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_staging_thread_overlaps_and_waits(deep_package, deep_reference, test_image, k):
+    """The ring's copies run on the staging thread; compute waits for each block's copy, the staging
+    thread waits for the copy out of a staging buffer before refilling it, and the stage's last forward
+    prefetches nothing: exactly one copy per streamed block per step (CFG lockstep)."""
+    from fake_streams import RecordingStreams
+
+    pipe = load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=k)
+    try:
+        streams = RecordingStreams()
+        frames, used = stream_run(pipe, streams, image=test_image, **RUN)
+        assert len(used) == (DEPTH - k) * RUN["steps"] * 2 and all(used)  # both CFG branches of every block ran on its own weights
+        np.testing.assert_allclose(frames, deep_reference, rtol=0, atol=1e-4)
+        assert streams.violations == []  # no wait on an unrecorded event, no staging buffer refilled in flight
+        assert streams.copy_threads == {"lingbot-staging_0"}  # never the thread that runs the DiT
+        assert staging_refills_waited(streams.calls)
+        copies = [c for c in streams.calls if c[0] == "copy_on_side"]
+        assert len(copies) == (DEPTH - k) * RUN["steps"]  # item 8: no block 0 prefetched after the last block
+        waits = [c for c in streams.calls if c[0] == "compute_waits"]
+        assert len(waits) == len(copies)  # compute waited for every copy
+    finally:
+        pipe.release()
+
+
+def test_pinned_buffers_lock_their_own_pages_and_unlock_when_dropped():
+    """Issue 24 item 9: two small staging buffers never share a locked page (CUDA refuses to register a
+    page twice), and a buffer dropped without ``free()`` is unlocked by its finalizer. The CUDA calls
+    are replaced by recorders (no GPU here); everything else is the real allocation."""
+    registered, unregistered = [], []
+
+    def register(ptr, nbytes):
+        registered.append((ptr, nbytes))
+        return 0
+
+    page = host_memory.PAGE
+    with mock.patch.object(host_memory, "_register", register), \
+            mock.patch.object(host_memory, "_unregister", lambda ptr, raw: unregistered.append(ptr)), \
+            mock.patch.object(torch.cuda, "is_available", return_value=True):
+        a, b = host_memory.pinned_buffer(100), host_memory.pinned_buffer(3 * page + 1)
+        assert a.pinned and b.pinned and a.tensor.numel() == 100 and b.tensor.numel() == 3 * page + 1
+        assert [n for _, n in registered] == [page, 4 * page]
+        assert all(ptr % page == 0 for ptr, _ in registered)
+        (pa, na), (pb, nb) = registered
+        assert pa + na <= pb or pb + nb <= pa  # disjoint pages
+        assert a.tensor.data_ptr() == pa and b.tensor.data_ptr() == pb
+        a.tensor.fill_(7)
+        b.free()
+        assert unregistered == [pb] and b.tensor is None
+        del a
+        gc.collect()
+        assert unregistered == [pb, pa]

@@ -2,6 +2,7 @@
 VAE tiling and the refiner's frame rules (model doc §7, §9)."""
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -323,3 +324,72 @@ def test_resize_frames_bicubic_clamped():
     raw = F.interpolate(frames.permute(0, 3, 1, 2), size=(32, 64), mode="bicubic", align_corners=False)
     assert raw.min() < 0 or raw.max() > 1  # the clamp matters for this input
     torch.testing.assert_close(out, raw.clamp(0, 1).permute(1, 0, 2, 3)[None], rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Streamed tiled decode and chunked encode (issue 24 item 6)
+# ---------------------------------------------------------------------------------------------
+
+
+def _diffusers_frames(vae, z):
+    """diffusers' own decode (tiled when the VAE's tiling is on), post-processed as the pack always did."""
+    with torch.no_grad():
+        video = vae.decode(z).sample
+    return ((video.float().clamp(-1, 1) + 1) / 2)[0].permute(1, 2, 3, 0).contiguous()
+
+
+@pytest.mark.parametrize("shape", [(1, 16, 2, 10, 13), (1, 16, 1, 7, 6)], ids=["3x3 tiles", "2x2 tiles, short edges"])
+def test_tiled_decode_streams_tiles_to_the_host_with_diffusers_numbers(shape):
+    """The tiled decode gives diffusers' tiled decode bit for bit, and each tile's finished part is copied
+    to the host right after that tile is decoded, before the next tile's first decoder call: the device
+    never holds more than one row of tiles and the overlap above it."""
+    from lingbot_core.latents import vae_decode
+
+    vae = tiny_vae(seed=2)
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(3))
+    tile, stride = (32, 48), (24, 40)
+    events = []
+    handle = vae.decoder.register_forward_hook(lambda m, a, o: events.append("decode"))
+    orig_to = torch.Tensor.to
+
+    def to(t, *args, **kwargs):
+        device = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if device is not None and device.type == "cpu" and t.dim() == 4 and t.shape[-1] == 3:
+            events.append(("host", t.shape[1] * t.shape[2] * t.shape[0]))
+        return orig_to(t, *args, **kwargs)
+
+    try:
+        with vae_tiling(vae, True, tile, stride), torch.no_grad(), mock.patch.object(torch.Tensor, "to", to):
+            frames = vae_decode(vae, z, torch.device("cpu"))
+        handle.remove()
+        with vae_tiling(vae, True, tile, stride):
+            expected = _diffusers_frames(vae, z)
+    finally:
+        handle.remove()
+    assert torch.equal(frames, expected)
+    rows = math.ceil(shape[3] / (stride[0] // 8))
+    cols = math.ceil(shape[4] / (stride[1] // 8))
+    # per tile: one decoder call per latent frame, then its part goes to the host
+    tiles = "".join("d" if e == "decode" else "h" for e in events)
+    runs = [r for r in tiles.split("h") if r]
+    assert tiles.startswith("d") and tiles.endswith("h")
+    assert len(runs) == rows * cols and all(r == "d" * shape[2] for r in runs), tiles
+    # every pixel was copied to the host exactly once
+    assert sum(n for e in events if e != "decode" for n in [e[1]]) == frames.shape[0] * frames.shape[1] * frames.shape[2]
+
+
+def test_untiled_decode_and_encode_unchanged():
+    """Without tiling the decode is diffusers' decode post-processed in frame chunks (the same bits), and
+    the chunked encode input gives the moments of the whole-video formula."""
+    from lingbot_core.latents import CHUNK_FRAMES, vae_decode, vae_encode
+
+    vae = tiny_vae(seed=4)
+    z = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(5))
+    with vae_tiling(vae, False), torch.no_grad():
+        frames = vae_decode(vae, z, torch.device("cpu"))
+        assert frames.shape[0] == 9 > CHUNK_FRAMES
+        assert torch.equal(frames, _diffusers_frames(vae, z))
+        pixels = torch.rand(1, 3, 9, 32, 48, generator=torch.Generator().manual_seed(6))
+        moments = vae_encode(vae, pixels, torch.device("cpu")).moments
+        expected = vae.encode((pixels - 0.5) / 0.5).latent_dist.parameters
+    assert torch.equal(moments, expected)

@@ -62,30 +62,68 @@ def test_unused_experts_and_single_token():
                 assert torch.equal(ffn(f, torch.float32), per_expert_loop(ffn, f))
 
 
-def test_one_host_sync_per_block_at_most():
-    """The per-slice path reads the slice sizes once (one ``tolist``), not once per expert; the grouped
-    path needs none."""
+class HostReads:
+    """Counts what reads device data back to the host: ``.item()`` / ``bool()`` / ``int()`` (all
+    ``aten._local_scalar_dense``), ``.tolist()``, and the ops that size their output from the data
+    (``bincount``: CUDA reads its maximum; ``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave``
+    without an output size). Patched ``tolist``, dispatch mode for the rest."""
+
+    SYNCING = ("_local_scalar_dense", "bincount", "nonzero", "masked_select", "_unique", "unique_consecutive",
+               "repeat_interleave")
+
+    def __init__(self):
+        self.calls = []
+
+    def __enter__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        calls, orig_tolist = self.calls, torch.Tensor.tolist
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = func.overloadpacket.__name__
+                if any(name == s or name.startswith(s) for s in HostReads.SYNCING):
+                    calls.append(name)
+                return func(*args, **(kwargs or {}))
+
+        def tolist(t):
+            calls.append("tolist")
+            return orig_tolist(t)
+
+        self._patch = mock.patch.object(torch.Tensor, "tolist", tolist)
+        self._patch.__enter__()
+        self._mode = Mode()
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        self._patch.__exit__(*exc)
+
+
+def test_no_host_sync_in_the_grouped_dispatch_one_in_the_loop():
+    """Issue 24 item 1: the grouped dispatch (routing included: the whole MoE feed-forward) reads nothing
+    back to the host, so the host can queue the next blocks while the GPU computes; the per-expert loop
+    reads its slice sizes once (one ``tolist``) and never calls ``bincount``."""
     ffn = make_ffn(torch.float32)
-    tokens = torch.randn(50, DIM, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+    f = torch.randn(1, 50, DIM, generator=torch.Generator().manual_seed(5))
+    tokens = f.reshape(-1, DIM).to(torch.bfloat16)
     ids, gates = route_tokens(tokens, ffn.router.weight, ffn.router.e_score_correction_bias, top_k=4, n_group=4,
                               topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5)
-    calls = []
-    orig_tolist, orig_item = torch.Tensor.tolist, torch.Tensor.item
-
-    def tolist(self):
-        calls.append("tolist")
-        return orig_tolist(self)
-
-    def item(self):
-        calls.append("item")
-        return orig_item(self)
-
-    with torch.no_grad(), mock.patch.object(torch.Tensor, "tolist", tolist), mock.patch.object(torch.Tensor, "item", item):
-        run_experts(tokens, ids, gates, ffn.experts, grouped=False)
-        assert calls == ["tolist"]
-        calls.clear()
-        run_experts(tokens, ids, gates, ffn.experts, grouped=True)
-        assert calls == []
+    with torch.no_grad():
+        with HostReads() as reads:
+            run_experts(tokens, ids, gates, ffn.experts, grouped=False)
+        assert reads.calls == ["tolist"]
+        if hasattr(torch, "_grouped_mm"):
+            with HostReads() as reads, mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=True):
+                ffn(f, torch.float32)
+            assert reads.calls == []
+    with HostReads() as reads, torch.no_grad():  # the counter sees what issue 10's dispatch did
+        issue10(ffn, f, f.dtype)
+    assert "bincount" in reads.calls and "tolist" in reads.calls
+    with HostReads() as reads, torch.no_grad():  # and the loop before it: a read per expert
+        before(ffn, f, f.dtype)
+    assert len(reads.calls) > CFG["num_experts_per_tok"]
 
 
 def test_per_slice_path_never_gathers_all_routed_rows():

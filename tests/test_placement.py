@@ -77,13 +77,15 @@ def test_text_encoder_on_b_dit_on_a(pipe_and_reference, mode, vae_on):
     # ... each component ran alone (under sequential a probe fires before its module streams in, so
     # its snapshot may still be empty; every streaming step's snapshot holds one component, on its device) ...
     alone = (lambda s, pair: s <= {pair}) if mode == "sequential" else (lambda s, pair: s == {pair})
-    assert all(alone(s, ("text_encoder", B)) for s in te)
+    te_alone = (lambda s, pair: s <= {pair}) if mode in ("sequential", "block") else alone  # block streams the TE
+    assert all(te_alone(s, ("text_encoder", B)) for s in te)
     assert all(alone(s, ("transformer", A)) for s in dit)
     assert all(alone(s, ("vae", vae_device)) for s in dec)
     own = {"text_encoder": B, "transformer": A, "vae": vae_device}
     streamed = [s for probe, s in tr.placed_snapshots if probe == "stream"]
     assert all(len(s) <= 1 for s in streamed)  # modules without weights of their own add nothing
-    assert set().union(*streamed) == ({(n, d) for n, d in own.items()} if mode == "sequential" else set())
+    expected = {"sequential": set(own.items()), "block": {("text_encoder", B)}}.get(mode, set())
+    assert set().union(*streamed) == expected
     # ... and nothing stayed on either device
     assert after == (frozenset(), frozenset())
 

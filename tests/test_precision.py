@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lingbot_core.loading import default_dtypes
-from lingbot_core.precision import auto_dtypes, grouped_mm_fast
+from lingbot_core.precision import auto_dtypes, fp8_compute_dtype, grouped_mm_fast, grouped_mm_supported
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 CUDA = torch.device("cuda", 0)
@@ -43,3 +43,56 @@ def test_grouped_mm_only_where_its_bf16_kernel_exists(capability, expected):
 
 def test_grouped_mm_never_on_cpu():
     assert grouped_mm_fast(torch.device("cpu")) is False
+
+
+@pytest.mark.parametrize("capability, expected", [((7, 0), FP16), ((7, 5), FP16), ((8, 0), BF16), ((8, 9), BF16),
+                                                   ((9, 0), BF16), ((12, 0), BF16)])
+def test_fp8_weights_compute_in_autos_dtype(capability, expected):
+    """Issue 24 item 5: below sm80 fp8 weights are computed in fp16 (SDPA has no fast bf16 kernel there:
+    its math fallback needs O(S^2) memory), as ``auto`` computes the DiT; bf16 elsewhere."""
+    assert fp8_compute_dtype(CUDA, capability) == expected == auto_dtypes(CUDA, capability, log=False)["transformer"]
+    assert fp8_compute_dtype(torch.device("cpu")) == BF16
+
+
+def test_fp8_dit_computes_in_the_dtype_the_loader_chose(packages):
+    """The DiT's compute dtype under fp8 storage is what the loader set (fp16 on a pre-sm80 GPU): its
+    Linears then dequantize into fp16 and return fp16."""
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["dense"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    try:
+        dit = pipe.transformer
+        assert dit.compute_dtype == BF16
+        dit.fp8_compute_dtype = FP16
+        assert dit.compute_dtype == FP16
+        lin = dit.blocks[0].attn.to_q
+        x = torch.randn(2, lin.in_features)
+        y = lin(x, dit.compute_dtype)
+        expected = x.to(FP16) @ (lin.weight.to(FP16) * lin.scale_weight.to(FP16)).t()
+        assert y.dtype == FP16 and torch.equal(y, expected)
+    finally:
+        pipe.release()
+
+
+def test_grouped_mm_wherever_torch_runs_it():
+    """Issue 24 item 4: the grouped experts are used wherever ``torch._grouped_mm`` runs: its native
+    kernel (sm90/sm100) without asking, other CUDA devices by a probe run once per device; never on a CPU
+    (the loop was faster there). A capability asked about without its device only knows the native kernel."""
+    assert grouped_mm_supported(torch.device("cpu")) is False
+    has = hasattr(torch, "_grouped_mm")
+    assert grouped_mm_supported(CUDA, (9, 0)) is has and grouped_mm_supported(CUDA, (8, 6)) is False
+    import lingbot_core.precision as precision
+    from unittest import mock
+
+    calls = []
+
+    def probe(device):
+        calls.append(device)
+        return True
+
+    with mock.patch.object(precision, "cuda_capability", return_value=(8, 6)), \
+            mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(precision, "_grouped_mm_runs", probe), \
+            mock.patch.dict(precision._GROUPED_PROBES, clear=True):
+        assert grouped_mm_supported(CUDA) is has and grouped_mm_supported(CUDA) is has
+        assert calls == ([CUDA] if has else [])  # probed once

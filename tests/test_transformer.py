@@ -165,24 +165,24 @@ def test_rope_frequencies_against_float64():
     axes_dims, theta = [32, 48, 48], 256.0
     pos = torch.tensor([[0, 0, 0], [19, 5, 7], [4000, 300, 1023]])
     freqs = rope_frequencies(pos, axes_dims, theta)
-    assert freqs.dtype == torch.complex64
-    assert freqs.shape == (3, 64)
+    assert freqs.dtype == torch.float32  # real (cos, sin) pairs: inductor compiles no complex ops
+    assert freqs.shape == (3, 64, 2)
     for r, p in enumerate(pos.tolist()):
         col = 0
         for axis, d in enumerate(axes_dims):
             for k in range(d // 2):
                 angle64 = p[axis] * (1.0 / theta ** (2 * k / d))
                 angle = float(torch.tensor(angle64, dtype=torch.float64).to(torch.float32))  # cast as the reference
-                z = freqs[r, col]
-                assert z.real.item() == pytest.approx(math.cos(angle), abs=2e-6)
-                assert z.imag.item() == pytest.approx(math.sin(angle), abs=2e-6)
+                cos, sin = freqs[r, col].tolist()
+                assert cos == pytest.approx(math.cos(angle), abs=2e-6)
+                assert sin == pytest.approx(math.sin(angle), abs=2e-6)
                 col += 1
 
 
 def test_apply_rope_is_interleaved_pair_rotation():
     q = torch.tensor([1.0, 2.0, 3.0, 4.0]).view(1, 1, 1, 4)
     a, b = 0.3, -1.1
-    freqs = torch.polar(torch.ones(1, 2), torch.tensor([[a, b]]))
+    freqs = torch.view_as_real(torch.polar(torch.ones(1, 2), torch.tensor([[a, b]])))
     out = apply_rope(q, freqs).view(-1).tolist()
     expected = [
         1 * math.cos(a) - 2 * math.sin(a), 1 * math.sin(a) + 2 * math.cos(a),
@@ -204,6 +204,26 @@ def test_apply_rope_preserves_norm_and_dtype():
     assert apply_rope(x.to(torch.bfloat16), freqs).dtype == torch.bfloat16
     # Text rows at positions (j+1, 0, 0) still rotate along t; video rows differ from the identity too.
     assert not torch.allclose(out, x)
+
+
+def test_real_rope_matches_the_complex_product():
+    """Issue 24 item 7: the rotation with real cos/sin gives the complex64 product's numbers within 1e-6
+    (an independent computation: torch's complex multiply of the complex table), at the DiT's head size
+    and the released RoPE's axes, for fp32 and bf16 inputs."""
+    g = torch.Generator().manual_seed(3)
+    pos = rope_position_ids((3, 6, 10), 12)
+    freqs = rope_frequencies(pos, [32, 48, 48], 256.0)
+    table = torch.view_as_complex(freqs.contiguous())
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(1, pos.shape[0], 4, 128, generator=g) * 3).to(dtype)
+        z = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2)) * table[None, :, None, :]
+        expected = torch.view_as_real(z).flatten(-2)
+        got = apply_rope(x, freqs)
+        assert got.dtype == dtype
+        if dtype == torch.float32:
+            assert (got - expected).abs().max() <= 1e-6 * expected.abs().max().clamp_min(1)
+        else:  # both round the same fp32 result to bf16: equal but where the fp32 values straddle a rounding edge
+            assert (got.float() - expected.to(dtype).float()).abs().max() <= 2 ** -7 * expected.abs().max()
 
 
 # ---------------------------------------------------------------------------------------------
