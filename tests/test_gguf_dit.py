@@ -1,0 +1,107 @@
+"""GGUF DiTs (both expert layouts) and single-file DiTs give the frames of a package holding the same
+values, in every offload mode; quantized weights stay memory-mapped block bytes until a layer runs."""
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from lingbot_core import load_pipeline
+from lingbot_core.checkpoint_files import ModelPackageError
+from lingbot_core.gguf_fixtures import package_state, write_gguf_dit, write_oracle_package
+
+RUN = dict(height=32, width=32, num_frames=5, steps=2, seed=7, guidance_scale=1.0, output_type="latent")
+# A DiT whose rows are whole K-quant blocks (256 values), with 16 experts so that an index read as text
+# ("10" < "2") would change the expert order.
+GGUF_DIT = {"hidden_size": 256, "num_attention_heads": 2, "axes_dims": [32, 48, 48], "intermediate_size": 256,
+            "moe_intermediate_size": 256, "num_experts": 16, "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2}
+MODES = ("none", "model", "sequential", "block")
+
+
+@pytest.fixture(scope="module")
+def gguf_root(tmp_path_factory):
+    from lingbot_core.fixtures import write_package
+
+    root = tmp_path_factory.mktemp("gguf")
+    pkg = write_package(root / "pkg", moe=True, fp32=True, refiner=False, seed=3, dit=GGUF_DIT)
+    return root, pkg
+
+
+def _case(gguf_root, qtype, layout, **kw):
+    root, pkg = gguf_root
+    name = f"{qtype}-{layout}-{'-'.join(f'{k}{v}' for k, v in sorted(kw.items()))}"
+    path = root / f"{name}.gguf"
+    values = write_gguf_dit(path, package_state(pkg), qtype, layout=layout, seed=11, **kw)
+    oracle = write_oracle_package(pkg, root / f"oracle-{name}", values)
+    return path, oracle, values
+
+
+def _frames(pipe, modes=MODES):
+    out = {}
+    for mode in modes:
+        pipe.set_offload(mode, blocks_on_gpu=0)
+        out[mode] = pipe.generate("a cat", **RUN)
+    pipe.set_offload("none")
+    return out
+
+
+@pytest.mark.parametrize("qtype,layout,kw,modes", [
+    ("Q4_K", "rebel", {}, MODES),
+    ("Q8_0", "sdcpp", {"prefix": True, "plain": "F16"}, MODES),
+    # experts written in reverse file order (copied into a stack, not a strided view), BF16 plain tensors
+    ("Q5_1", "rebel", {"plain": "BF16", "expert_order": "reversed"}, ("none", "block")),
+])
+def test_gguf_frames_equal_the_dequantized_package_in_every_offload_mode(gguf_root, qtype, layout, kw, modes):
+    path, oracle, values = _case(gguf_root, qtype, layout, **kw)
+    ref = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"})
+    try:
+        want = ref.generate("a cat", **RUN)
+    finally:
+        ref.release()
+    pipe = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"}, transformer_file=path)
+    try:
+        dit = pipe.transformer
+        q = dit.blocks[0].attn.to_q
+        assert q.weight.dtype == torch.uint8 and q.weight_qtype.name == qtype  # block bytes, not values
+        experts = dit.blocks[1].ffn.experts
+        assert set(experts.qtypes) == {"w1", "w2", "w3"} and experts.w1.dtype == torch.uint8
+        assert experts.w1.shape[0] == 16
+        for island in ("blocks.0.norm1.weight", "blocks.0.scale_shift_table", "blocks.0.ffn.router.weight"):
+            t = dit.get_parameter(island)
+            assert t.dtype == torch.float32 and torch.equal(t, values[island]), island
+        got = _frames(pipe, modes)
+    finally:
+        pipe.release()
+    assert torch.isfinite(want).all() and want.abs().max() > 0
+    for mode, frames in got.items():
+        assert (frames - want).abs().max().item() <= 1e-5, (mode, (frames - want).abs().max().item())
+
+
+def test_quantized_bytes_are_views_of_the_mapped_file(gguf_root):
+    path, oracle, _ = _case(gguf_root, "Q4_0", "rebel")
+    pipe = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"}, transformer_file=path)
+    try:
+        from lingbot_core.checkpoint_files import GGUFFile
+
+        f = GGUFFile(path)
+        base = f.mapped().data_ptr()
+        size = path.stat().st_size
+        experts = pipe.transformer.blocks[0].ffn.experts
+        for t in (experts.w1, pipe.transformer.blocks[0].attn.to_q.weight):
+            assert 0 <= t.data_ptr() - base < size or _same_file_mapping(t, path), "copied out of the map"
+    finally:
+        pipe.release()
+
+
+def _same_file_mapping(t, path):
+    """Whether ``t``'s first byte lies in a mapping of ``path`` (the reader maps the file once per open)."""
+    addr = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 6 and parts[5] == str(path.resolve()):
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                if lo <= addr < hi:
+                    return True
+    return False
