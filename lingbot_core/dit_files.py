@@ -258,16 +258,9 @@ def meta_model(config: dict, name: str = "transformer") -> LingBotVideoTransform
         raise ModelPackageError(f"{name}: the DiT config is invalid: {e}") from None
 
 
-def load_dit_file(path, dtype: torch.dtype, config: Optional[dict] = None, name: str = "transformer",
-                  dit: Optional[DitFile] = None) -> LingBotVideoTransformer3DModel:
-    """The DiT of a single file; ``config`` (a package's ``config.json``) wins over the shapes' config.
-
-    GGUF: block-quantized Linear weights and expert stacks stay mapped block bytes (computed in
-    ``dtype``; an fp8 ``dtype`` is refused: the file is already quantized); other tensors are
-    dequantized once (fp32 islands to fp32, the rest to ``dtype``). Safetensors: as a package's DiT
-    (fp8 weights with their scales kept fp8 under an fp8 ``dtype``, else dequantized).
-    """
-    dit = dit or DitFile(path, name)
+def check_dit_file(dit: DitFile, config: Optional[dict] = None, name: str = "transformer") -> LingBotVideoTransformer3DModel:
+    """Every name and shape of ``dit`` against ``config`` (default: the shapes' own config), and
+    completeness, from the file's header alone; returns the DiT on ``meta``."""
     config = config or config_from_shapes(dit.shapes, dit.path.name)
     model = meta_model(config, name)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
@@ -283,6 +276,47 @@ def load_dit_file(path, dtype: torch.dtype, config: Optional[dict] = None, name:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ModelPackageError(f"{name}: {dit.path.name} is missing {len(missing)} tensors of a LingBot-Video "
                                 f"{model_kind(config)} DiT: {', '.join(missing[:3])}{more}.")
+    return model
+
+
+def _stays_quantized(dit: DitFile, key: str, owner: nn.Module, leaf: str) -> bool:
+    return dit.is_block_quantized(key) and not is_fp32_island(key) and (
+        (isinstance(owner, Linear) and leaf == "weight") or isinstance(owner, Experts))
+
+
+def loaded_bytes(dit: DitFile, dtype: torch.dtype, config: Optional[dict] = None) -> Dict[str, int]:
+    """Bytes each tensor of ``dit`` takes once loaded at ``dtype`` (header only): block bytes that stay
+    mapped for the quantized Linears and experts, values for the rest (fp32 islands in fp32)."""
+    model = check_dit_file(dit, config)
+    modules = dict(model.named_modules())
+    size = torch.empty(0, dtype=FP8_COMPUTE_DTYPE if is_fp8(dtype) else dtype).element_size()
+    out = {}
+    for key, shape in dit.shapes.items():
+        owner_name, _, leaf = key.rpartition(".")
+        n = 1
+        for d in shape:
+            n *= int(d)
+        if _stays_quantized(dit, key, modules[owner_name], leaf):
+            out[key] = gguf_weights.raw_nbytes(shape, dit.qtypes[key])
+        elif is_fp8(dtype) and is_quantized_name(key):
+            out[key] = n
+        else:
+            out[key] = n * (4 if is_fp32_island(key) else size)
+    return out
+
+
+def load_dit_file(path, dtype: torch.dtype, config: Optional[dict] = None, name: str = "transformer",
+                  dit: Optional[DitFile] = None) -> LingBotVideoTransformer3DModel:
+    """The DiT of a single file; ``config`` (a package's ``config.json``) wins over the shapes' config.
+
+    GGUF: block-quantized Linear weights and expert stacks stay mapped block bytes (computed in
+    ``dtype``; an fp8 ``dtype`` is refused: the file is already quantized); other tensors are
+    dequantized once (fp32 islands to fp32, the rest to ``dtype``). Safetensors: as a package's DiT
+    (fp8 weights with their scales kept fp8 under an fp8 ``dtype``, else dequantized).
+    """
+    dit = dit or DitFile(path, name)
+    model = check_dit_file(dit, config, name)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     fp8 = is_fp8(dtype)
     if fp8 and dit.is_gguf:
         raise ModelPackageError(f"{name}: {dit.path.name} is already quantized (GGUF); choose bf16, fp16 or fp32 as the "
@@ -296,8 +330,7 @@ def load_dit_file(path, dtype: torch.dtype, config: Optional[dict] = None, name:
             owner = modules[owner_name]
             island = is_fp32_island(key)
             target = torch.float32 if island else plain
-            if dit.is_block_quantized(key) and not island and (
-                    (isinstance(owner, Linear) and leaf == "weight") or isinstance(owner, Experts)):
+            if _stays_quantized(dit, key, owner, leaf):
                 raw = dit.get(key)
                 owner._parameters[leaf] = nn.Parameter(raw, requires_grad=False)
                 if isinstance(owner, Linear):

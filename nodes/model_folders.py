@@ -108,3 +108,50 @@ def resolve_lora(name: str) -> str:
             "refresh the browser; paths typed into the workflow are not accepted."
         )
     return path
+
+
+# -- single component files (the files ComfyUI users already have) ------------------------------------
+
+# Component -> (ComfyUI folder keys searched in order, accepted suffixes).
+COMPONENT_FOLDERS = {
+    "transformer": (("diffusion_models", "unet"), (".gguf", ".safetensors")),
+    "text_encoder": (("text_encoders", "clip"), (".safetensors",)),
+    "vae": (("vae",), (".safetensors",)),
+}
+FROM_PACKAGE = "(from the package)"
+
+
+def list_component_files(component: str) -> Dict[str, str]:
+    """``{ComfyUI name: path}`` of the files a component may be loaded from, first folder key wins."""
+    keys, suffixes = COMPONENT_FOLDERS[component]
+    found: Dict[str, str] = {}
+    for key in keys:
+        try:
+            names = folder_paths.get_filename_list(key)
+        except KeyError:
+            continue
+        for name in names:
+            if name.lower().endswith(suffixes) and name not in found:
+                path = folder_paths.get_full_path(key, name)
+                if path:
+                    found[name] = path
+    return dict(sorted(found.items()))
+
+
+def component_file_choices(component: str) -> List[str]:
+    return [FROM_PACKAGE, *list_component_files(component)]
+
+
+def resolve_component_file(component: str, name: str):
+    """The path of a listed file, or None for :data:`FROM_PACKAGE`; anything else is refused."""
+    if name == FROM_PACKAGE:
+        return None
+    listed = list_component_files(component)
+    if name not in listed:
+        keys, suffixes = COMPONENT_FOLDERS[component]
+        shown = ", ".join(list(listed)[:10]) or "none found"
+        raise ValueError(
+            f"{component} file {name!r} is not one of the {'/'.join(suffixes)} files in models/{' or models/'.join(keys)} "
+            f"({shown}). Put the file there and refresh the browser; paths typed into the workflow are not accepted."
+        )
+    return listed[name]

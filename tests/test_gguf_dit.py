@@ -145,3 +145,32 @@ def test_lora_on_a_gguf_dit_runs_as_run_time_adapters(gguf_root, tmp_path):
     for mode, frames in with_lora.items():
         rel = ((frames - want).norm() / want.norm()).item()
         assert rel <= 1e-3, (mode, rel, effect)
+
+
+def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root):
+    """The lazy path (ComfyUI's loader): the RAM budget counts the quantized weights at their mapped size
+    (what the loaded DiT really holds), and the handle generates the package's frames in offload block."""
+    from lingbot_core.memory import package_bytes
+    from lingbot_core.pipeline_pool import PipelinePool
+
+    path, oracle, values = _case(gguf_root, "Q4_K", "sdcpp")
+    pool = PipelinePool()
+    handle = pool.handle(oracle, offload="block", dtypes={"transformer": "fp32"}, device="cpu", transformer_file=str(path))
+    dtypes = handle.spec.load_dtypes()
+    others = package_bytes(oracle, "transformer", dtypes) - sum(v.numel() * 4 for v in values.values())
+    try:
+        got = handle.generate("a cat", **RUN)
+        dit = pool._loaded[handle.spec].transformer
+        held = sum(t.numel() * t.element_size() for t in list(dit.parameters()) + list(dit.buffers()))
+        quantized = sum(p.numel() for p in dit.parameters() if p.dtype == torch.uint8)
+    finally:
+        handle.release()
+    assert pool.weight_bytes(handle.spec) == others + held
+    assert quantized > 0.5 * held  # most of the DiT stays block bytes (the rest: fp32 islands, F32 biases)
+    assert held < 0.2 * sum(v.numel() * 4 for v in values.values())
+    ref = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"})
+    try:
+        want = ref.generate("a cat", **RUN)
+    finally:
+        ref.release()
+    assert (got - want).abs().max().item() <= 1e-5
