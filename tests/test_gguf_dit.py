@@ -167,7 +167,7 @@ def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root
         handle.release()
     assert pool.weight_bytes(handle.spec) == others + held
     assert quantized > 0.5 * held  # most of the DiT stays block bytes (the rest: fp32 islands, F32 biases)
-    assert held < 0.2 * sum(v.numel() * 4 for v in values.values())
+    assert held < 0.3 * sum(v.numel() * 4 for v in values.values())  # vs the fp32 DiT
     ref = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"})
     try:
         want = ref.generate("a cat", **RUN)
