@@ -184,3 +184,48 @@ def package_state(pkg, sub: str = "transformer") -> Dict[str, torch.Tensor]:
 
 def package_config(pkg, sub: str = "transformer") -> dict:
     return json.loads((Path(pkg) / sub / "config.json").read_text())
+
+
+def write_random_gguf_dit(path, config: dict, qtype_name: str, *, layout: str = "rebel", seed: int = 0,
+                          amplitude: float = 0.02) -> int:
+    """A GGUF DiT of ``config`` written straight from random blocks (no float weights are ever formed, so
+    full-width MoE blocks cost only their quantized size): Linear weights and experts as valid random
+    ``qtype_name`` blocks, fp32 islands and biases as F32 (norm scales 1 + noise, small modulation table).
+    Returns the file's size in bytes."""
+    import gguf
+
+    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+
+    with torch.device("meta"):
+        model = LingBotVideoTransformer3DModel(**config)
+    qtype = gguf.GGMLQuantizationType[qtype_name]
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "lingbot_video")
+    if layout == "sdcpp":
+        writer.kv_data[0].clear()
+    for name, ref in model.state_dict().items():
+        shape = tuple(ref.shape)
+        if len(shape) >= 2 and shape[-1] % block == 0 and not is_fp32_island(name):
+            rows = int(np.prod(shape[:-1]))
+            raw = random_blocks(qtype_name, rows, shape[-1], rng, amplitude).reshape(*shape[:-1], -1)
+            if layout == "rebel" and _EXPERT.match(name):
+                for e in range(shape[0]):
+                    writer.add_tensor(f"{name}.{e}.weight", np.ascontiguousarray(raw[e]), raw_dtype=qtype)
+            else:
+                writer.add_tensor(name, raw, raw_dtype=qtype)
+            continue
+        leaf_module = name.split(".")[-2] if "." in name else ""
+        noise = rng.standard_normal(shape, dtype=np.float32)
+        if name.endswith("scale_shift_table"):
+            values = noise * 0.1
+        elif leaf_module.startswith("norm") and name.endswith(".weight"):
+            values = 1.0 + noise * 0.05
+        else:
+            values = noise * amplitude
+        writer.add_tensor(name, values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(path).stat().st_size

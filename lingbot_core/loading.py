@@ -222,6 +222,10 @@ def check_package(model_dir, transformer_subfolder: str = "transformer", files: 
                 hint = (" (the Qwen3-VL tokenizer and processor: the pack does not ship them; copy the processor/ "
                         "folder of a LingBot-Video release there)")
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
+    if "text_encoder" in files and not (root / "text_encoder" / "config.json").is_file():
+        raise ModelPackageError(
+            f"{root} has no text_encoder/config.json: a single-file text encoder needs the Qwen3-VL config, which "
+            "the pack does not ship; copy text_encoder/config.json (a few KB) of a LingBot-Video release there.")
     for comp, stem in (("transformer", "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
         if comp in files:
             continue
@@ -326,12 +330,17 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
         transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
         checkpoint_weight = functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder)
     common = dict(local_files_only=True, use_safetensors=True)
-    try:
-        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
-            root, subfolder="text_encoder", dtype=chosen["text_encoder"], attn_implementation="sdpa", **common
-        )
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelPackageError(f"text_encoder: could not load {root / 'text_encoder'}: {e}") from None
+    if text_encoder_file is not None:
+        from .component_files import load_text_encoder_file
+
+        text_encoder = load_text_encoder_file(text_encoder_file, chosen["text_encoder"], root / "text_encoder")
+    else:
+        try:
+            text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
+                root, subfolder="text_encoder", dtype=chosen["text_encoder"], attn_implementation="sdpa", **common
+            )
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelPackageError(f"text_encoder: could not load {root / 'text_encoder'}: {e}") from None
     # Only the final hidden states are used; an Identity head makes the hooked top-level call return them.
     text_encoder.lm_head = torch.nn.Identity()
     text_encoder.eval().requires_grad_(False)
@@ -339,10 +348,15 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
         processor = Qwen3VLProcessor.from_pretrained(root, subfolder="processor", local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise ModelPackageError(f"processor: could not load {root / 'processor'}: {e}") from None
-    try:
-        vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=chosen["vae"], **common)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelPackageError(f"vae: could not load {root / 'vae'}: {e}") from None
+    if vae_file is not None:
+        from .component_files import load_vae_file, vae_config
+
+        vae = load_vae_file(vae_file, chosen["vae"], vae_config(root / "vae"))
+    else:
+        try:
+            vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=chosen["vae"], **common)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelPackageError(f"vae: could not load {root / 'vae'}: {e}") from None
     vae.eval().requires_grad_(False)
     scheduler_config = load_scheduler_config(str(root / "scheduler" / "scheduler_config.json"))
     if float(scheduler_config.get("shift", 1.0)) != 1.0:

@@ -393,9 +393,11 @@ class LazyPipeline:
     def normalizer(self) -> LatentNormalizer:
         """VAE <-> DiT latent space, from ``vae/config.json`` (no weights needed)."""
         if self._normalizer is None:
+            from .component_files import vae_config
+
             path = Path(self.spec.model_dir) / "vae" / "config.json"
             try:
-                cfg = json.loads(path.read_text(encoding="utf-8"))
+                cfg = vae_config(path.parent)  # the shipped Wan 2.1 config when a VAE file stands in
             except (OSError, ValueError) as e:
                 raise ModelPackageError(f"vae: could not read {path}: {e}") from None
             self._normalizer = LatentNormalizer(cfg.get("latents_mean"), cfg.get("latents_std"))
