@@ -232,11 +232,14 @@ def main(argv=None) -> dict:
         dit = DitFile(path)
         per_block = sum(dit.reader.nbytes(k) for k in dit.reader.keys() if k.startswith("blocks.0."))
         outside = size - args.blocks * per_block
+        # RssFile also counts the shared libraries mapped at import; the weights' pages are what it gained.
+        weights_paged = moe["file_after_step"] - moe["file_after_load"]
         scale = {
             "file_bytes_48": outside + FULL_DEPTH * per_block,
             # file-backed pages grow with the blocks touched; the anonymous part does not grow with depth
-            "peak_rss_48": moe["peak_rss"] - moe["file_after_step"] + (moe["file_after_step"] / size) * (outside + FULL_DEPTH * per_block),
+            "peak_rss_48": moe["peak_rss"] - weights_paged + weights_paged * (outside + FULL_DEPTH * per_block) / size,
             "anon_peak_bound": moe["peak_rss"] - moe["file_after_step"],
+            "weights_paged": weights_paged,
         }
         report["moe"] = {"blocks": args.blocks, "file_bytes": size, "block_bytes": per_block, "write_s": round(write_s, 1),
                          **moe, **{k: int(v) for k, v in scale.items()}}

@@ -4,18 +4,15 @@ MoE GGUF in models/diffusion_models, a tiny LoRA, offload block."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from comfy_host import workflow_to_api
 from test_lora import lightx2v_lora
-from test_nodes_comfy import (
-    FRAMES, H, MOE, W, check_ui_format, decode_video, load_workflow, node_files, nodes_of, patch_nodes,
-)
+from test_lora_comfy import TINY_LORA, run_tiny_four_step_example
+from test_nodes_comfy import MOE, check_ui_format, load_workflow, nodes_of, patch_nodes
 
 pytestmark = pytest.mark.comfy
 gguf = pytest.importorskip("gguf")
 
-TINY_LORA = "lingbot_tiny_4steps.safetensors"
 TINY_GGUF = "lingbot-tiny-moe-Q8_0.gguf"
 EXAMPLE = "lingbot_moe_gguf_4step_lora"
 
@@ -54,15 +51,7 @@ def test_files_loader_lists_component_files_and_runs_the_gguf_example(server):
     assert (g["steps"], g["guidance_scale"], g["shift"]) == (4, 1.0, 3.0)
     patch_nodes(api, "LoadLingbotPipelineFiles", model=MOE, dit_file=TINY_GGUF, text_encoder_file="(from the package)",
                 vae_file="(from the package)")
-    patch_nodes(api, "LoadLingbotLoRA", lora_name=TINY_LORA)
-    patch_nodes(api, "GenerateVideo", width=W, height=H, num_frames=FRAMES)
-    for sid in nodes_of(api, "SaveVideo"):
-        api[sid]["inputs"]["filename_prefix"] = f"test_{EXAMPLE}_{sid}"
-    entry = server.run(api, timeout=600)
-    (sid,) = nodes_of(api, "SaveVideo")
-    (path,) = node_files(server, entry, sid)
-    frames, rate = decode_video(path)
-    assert frames.shape == (FRAMES, H, W, 3) and rate == 24 and frames.std() > 1.0
+    run_tiny_four_step_example(server, api, EXAMPLE)
 
 
 def test_a_typed_path_is_refused(server):
