@@ -122,20 +122,40 @@ FROM_PACKAGE = "(from the package)"
 
 
 def list_component_files(component: str) -> Dict[str, str]:
-    """``{ComfyUI name: path}`` of the files a component may be loaded from, first folder key wins."""
+    """``{name relative to its models folder: path}`` of the files a component may be loaded from, first
+    folder wins. The folders are scanned here rather than through ``folder_paths.get_filename_list``,
+    whose extension lists (ComfyUI's own) do not include ``.gguf``; symlinks are followed, link loops
+    are not, and the depth is bounded as for packages."""
     keys, suffixes = COMPONENT_FOLDERS[component]
     found: Dict[str, str] = {}
     for key in keys:
         try:
-            names = folder_paths.get_filename_list(key)
+            roots = folder_paths.get_folder_paths(key)
         except KeyError:
             continue
-        for name in names:
-            if name.lower().endswith(suffixes) and name not in found:
-                path = folder_paths.get_full_path(key, name)
-                if path:
-                    found[name] = path
+        for root in roots:
+            if os.path.isdir(root):
+                _scan_files(root, "", (os.path.realpath(root),), suffixes, found)
     return dict(sorted(found.items()))
+
+
+def _scan_files(folder: str, rel: str, ancestors: tuple, suffixes: tuple, found: Dict[str, str]) -> None:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        if name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        sub = f"{rel}/{name}" if rel else name
+        if os.path.isfile(path):
+            if name.lower().endswith(suffixes):
+                found.setdefault(sub, path)
+        elif os.path.isdir(path) and sub.count("/") + 1 < MAX_DEPTH:
+            real = os.path.realpath(path)
+            if real not in ancestors:
+                _scan_files(path, sub, ancestors + (real,), suffixes, found)
 
 
 def component_file_choices(component: str) -> List[str]:

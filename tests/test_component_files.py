@@ -123,3 +123,32 @@ def test_gguf_refusals(tmp_path):
     broken.write_bytes(bytes(data))
     with pytest.raises(ModelPackageError, match="quantization type"):
         DitFile(broken)
+
+
+def test_fp8_single_file_with_key_scale_tensors(files, tmp_path):
+    """ALX-CODE's fp8 dense files: F8_E4M3 weights with an fp32 ``<key>_scale`` [1] each; read as weight * scale
+    (fp32), or kept fp8 with that scale under an fp8 precision."""
+    from lingbot_core.dit_files import load_dit_file
+    from lingbot_core.gguf_fixtures import package_config
+
+    state = package_state(files["pkg"])
+    out, want = {}, {}
+    for k, v in state.items():
+        if k.endswith((".attn.to_q.weight", ".ffn.gate_proj.weight")):
+            scale = v.abs().max() / 448.0
+            q = (v / scale).to(torch.float8_e4m3fn)
+            out[k], out[k + "_scale"] = q, scale.reshape(1).float()
+            want[k] = q.float() * scale
+        else:
+            out[k] = want[k] = v
+    path = tmp_path / "lingbot_dense_fp8_e4m3fn.safetensors"
+    save_file(out, str(path))
+    config = package_config(files["pkg"])
+    model = load_dit_file(path, torch.float32, config)
+    got = model.state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    kept = load_dit_file(path, torch.float8_e4m3fn, config)
+    q = kept.blocks[0].attn.to_q
+    assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight, out["blocks.0.attn.to_q.weight"])
+    assert torch.equal(q.scale_weight, out["blocks.0.attn.to_q.weight_scale"].reshape(()))
