@@ -7,8 +7,9 @@ forward, and a full-width MoE GGUF (8 of the 48 blocks, Q4_K, valid random block
 Each measured load runs in a fresh child process (RSS after imports, after the load, and the peak):
 
 1. ``dense``: the full-size dense DiT shape (24 blocks, 1.36 B params) as a Q8_0 GGUF (random blocks)
-   and as the released-layout bf16 safetensors (bench.offload's random DiT): load time and RSS after
-   load (anonymous and file-backed parts). Same shapes, not the same numbers: the RSS is about bytes.
+   and as the released-layout bf16 safetensors (bench.offload's random DiT): load time, RSS after the
+   load and after reading every weight once (anonymous and file-backed parts). Same shapes, not the
+   same numbers: the RSS is about bytes.
 2. ``dequant``: milliseconds to dequantize one 2048 x 2048 Linear and one MoE expert stack
    (3 x 128 x 768 x 2048) per type, into bf16, on this CPU (the cost a forward pays per layer).
 3. ``moe``: the MoE 30B-A3B config with ``--blocks`` blocks (default 8 of 48), every Linear and expert
@@ -119,10 +120,16 @@ def child_dense(kind: str, path: str) -> dict:
         model = load_transformer(Path(path), torch.bfloat16)
     load_s = time.perf_counter() - t0
     after = _status()
-    held = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    tensors = list(model.parameters()) + list(model.buffers())
+    held = sum(t.numel() * t.element_size() for t in tensors)
+    for t in tensors:  # read every weight once (as a forward would): mapped pages become resident
+        t.detach().reshape(-1)[:: max(1, 4096 // t.element_size())].float().sum()
+    touched = _status()
     return {"kind": kind, "load_s": round(load_s, 2), "weights_bytes": held,
             "rss_after_imports": base["VmRSS"], "rss_after_load": after["VmRSS"],
             "anon_after_load": after["RssAnon"], "file_after_load": after["RssFile"],
+            "rss_after_reading_weights": touched["VmRSS"], "anon_after_reading_weights": touched["RssAnon"],
+            "file_after_reading_weights": touched["RssFile"],
             "file_bytes": sum(p.stat().st_size for p in ([Path(path)] if kind == "gguf" else Path(path).glob("*.safetensors")))}
 
 
