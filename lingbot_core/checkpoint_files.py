@@ -185,3 +185,82 @@ def checkpoint_tensor(folder: Path, name: str, key: str, dtype: torch.dtype) -> 
     except (SafetensorError, OSError, ValueError) as e:
         raise ModelPackageError(f"{name}: could not read {key} again from {folder} ({e}); reload the pipeline.") from None
     raise ModelPackageError(f"{name}: {key} is no longer in {folder}; the package changed since it was loaded, reload the pipeline.")
+
+
+class GGUFFile:
+    """One GGUF file read through gguf-py's memory map: nothing is copied or expanded. Each tensor comes
+    back as a torch view of the mapped bytes in checkpoint order (the reverse of ggml's dimension order):
+    float types as themselves, block-quantized types as ``uint8`` rows of blocks (last dimension in
+    bytes) with their GGML type. The map is copy-on-write (private): the views are writable for torch,
+    and nothing ever writes the file."""
+
+    def __init__(self, path: Path, component: str = "transformer"):
+        self.path = Path(path)
+        self.component = component
+        try:
+            import gguf
+        except ImportError:
+            raise ModelPackageError(f"{component}: reading {self.path.name} needs the 'gguf' package "
+                                    "(pip install gguf, listed in requirements.txt).") from None
+        try:
+            self._reader = gguf.GGUFReader(str(self.path), "c")
+        except ValueError as e:
+            text = str(e)
+            if "is not a valid GGMLQuantizationType" in text:
+                raise ModelPackageError(f"{component}: {self.path.name} uses a GGML quantization type that gguf-py "
+                                        f"does not know ({text}); re-download it or use a Q3_K..Q8_0 file.") from None
+            raise ModelPackageError(f"{component}: {self.path.name} is not a readable GGUF file ({text}); "
+                                    "it may be truncated, download it again.") from None
+        except (OSError, IndexError, KeyError, TypeError) as e:
+            raise ModelPackageError(f"{component}: {self.path.name} is not a readable GGUF file ({e}); "
+                                    "it may be truncated, download it again.") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    def keys(self):
+        return list(self._tensors)
+
+    def qtype(self, key: str):
+        return self._tensors[key].tensor_type
+
+    def shape(self, key: str) -> tuple:
+        """The checkpoint (torch) shape of ``key``: ggml's dimensions reversed."""
+        return tuple(int(d) for d in reversed(self._tensors[key].shape.tolist()))
+
+    def offset(self, key: str) -> int:
+        return int(self._tensors[key].data_offset)
+
+    def nbytes(self, key: str) -> int:
+        return int(self._tensors[key].n_bytes)
+
+    def metadata(self, key: str):
+        """A key/value field's value (e.g. ``general.architecture``), or None when absent."""
+        field = self._reader.get_field(key)
+        if field is None:
+            return None
+        try:
+            return field.contents()
+        except (ValueError, IndexError, AttributeError):
+            return None
+
+    def get(self, key: str) -> torch.Tensor:
+        """The mapped tensor (no copy); BF16 ones as ``bfloat16`` (gguf-py hands them out as bytes)."""
+        import warnings
+
+        entry = self._tensors[key]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # a private map is writable; numpy may still flag it
+            t = torch.from_numpy(entry.data)
+        if entry.tensor_type.name == "BF16":
+            t = t.view(torch.bfloat16)
+        return t
+
+    def mapped(self) -> torch.Tensor:
+        """The whole file as one ``uint8`` view (for strided views over tensors that lie at even strides)."""
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(self._reader.data)
+
+    def file_bytes(self) -> int:
+        return self.path.stat().st_size

@@ -200,45 +200,85 @@ def check_transformer(folder: Path, name: str = "transformer") -> None:
 # Keys of community fp8 checkpoints that carry no weight (a format marker).
 IGNORED_CHECKPOINT_KEYS = frozenset({"scaled_fp8"})
 
-def check_package(model_dir, transformer_subfolder: str = "transformer") -> Path:
+def check_package(model_dir, transformer_subfolder: str = "transformer", files: Optional[dict] = None) -> Path:
     """Check the folder is a released package with safetensors weights for every component (cheap: no
-    weights are read); raise a ModelPackageError naming what is missing."""
+    weights are read); raise a ModelPackageError naming what is missing.
+
+    ``files`` (component -> single file, see :func:`load_pipeline`) replaces those components: the folder
+    then need not hold them, nor ``model_index.json``; it must still hold ``processor/``."""
+    files = {k: v for k, v in (files or {}).items() if v}
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelPackageError(f"model folder {root} does not exist.")
     if transformer_subfolder not in TRANSFORMER_SUBFOLDERS:
         raise ValueError(f"transformer_subfolder={transformer_subfolder!r} is not allowed; use 'transformer' or 'refiner'.")
-    if not (root / "model_index.json").is_file():
+    if not files and not (root / "model_index.json").is_file():
         raise ModelPackageError(f"{root} has no model_index.json; point at the root of a LingBot-Video package.")
-    for sub in (transformer_subfolder, "text_encoder", "processor", "vae"):
+    folders = {"transformer": transformer_subfolder, "text_encoder": "text_encoder", "vae": "vae"}
+    for sub in [folders[c] for c in COMPONENTS if c not in files] + ["processor"]:
         if not (root / sub).is_dir():
             hint = " (only the MoE package ships a refiner)" if sub == "refiner" else ""
+            if sub == "processor" and files:
+                hint = (" (the Qwen3-VL tokenizer and processor: the pack does not ship them; copy the processor/ "
+                        "folder of a LingBot-Video release there)")
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
-    for sub, stem in ((transformer_subfolder, "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
+    if "text_encoder" in files and not (root / "text_encoder" / "config.json").is_file():
+        raise ModelPackageError(
+            f"{root} has no text_encoder/config.json: a single-file text encoder needs the Qwen3-VL config, which "
+            "the pack does not ship; copy text_encoder/config.json (a few KB) of a LingBot-Video release there.")
+    for comp, stem in (("transformer", "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
+        if comp in files:
+            continue
+        sub = folders[comp]
         for path in safetensors_files(root / sub, sub, stem):
             check_readable(path, sub)
     return root
 
 
-def check_loras(loras, model_dir, transformer_subfolder: str = "transformer"):
-    """Check a LoRA stack against a package's DiT from headers and ``config.json`` alone (no weight is
-    read); returns the normalized stack. Raises :class:`~lingbot_core.lora.LoraError` naming the file."""
+def transformer_config(root: Optional[Path], transformer_subfolder: str = "transformer",
+                       transformer_file=None, dit=None) -> dict:
+    """The DiT config: the package's own ``config.json`` when there is one (it wins), else the one the
+    single file's tensor shapes imply."""
+    if root is not None and (Path(root) / transformer_subfolder / "config.json").is_file():
+        return read_config(Path(root) / transformer_subfolder, transformer_subfolder)
+    if transformer_file is None:
+        return read_config(Path(root) / transformer_subfolder, transformer_subfolder)
+    from .dit_files import DitFile, config_from_shapes
+
+    dit = dit or DitFile(transformer_file, transformer_subfolder)
+    return config_from_shapes(dit.shapes, dit.path.name)
+
+
+def check_loras(loras, model_dir, transformer_subfolder: str = "transformer", transformer_file=None):
+    """Check a LoRA stack against a package's DiT (or a single-file DiT) from headers and configs alone (no
+    weight is read); returns the normalized stack. Raises :class:`~lingbot_core.lora.LoraError` naming the file."""
     from .lora import inspect_lora, lora_targets, normalize_stack
 
     stack = normalize_stack(loras)
     if stack:
-        folder = Path(model_dir) / transformer_subfolder
-        targets = lora_targets(_transformer_on_meta(folder, transformer_subfolder))
+        root = Path(model_dir) if model_dir is not None else None
+        config = transformer_config(root, transformer_subfolder, transformer_file)
+        with torch.device("meta"):
+            model = LingBotVideoTransformer3DModel.from_config(config)
+        targets = lora_targets(model)
         for path, _ in stack:
             inspect_lora(path, targets)
     return stack
 
 
-def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offload: str = "none",
+def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer", offload: str = "none",
                   device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0, attention: str = "sdpa",
                   compile_blocks: bool = False, cfg_lockstep: bool = True, loras=None,
-                  devices: Optional[dict] = None) -> LingbotPipeline:
+                  devices: Optional[dict] = None, transformer_file=None, text_encoder_file=None,
+                  vae_file=None) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
+
+    ``transformer_file`` / ``text_encoder_file`` / ``vae_file`` replace that component of the package by
+    a single file as ComfyUI users have them (see :mod:`lingbot_core.dit_files` and
+    :mod:`lingbot_core.component_files`): a GGUF or safetensors DiT (loaded as the ``transformer_subfolder``
+    role; the package's own ``config.json`` wins over the config its shapes imply), the Qwen3-VL-4B text
+    encoder file, the Wan 2.1 VAE file. ``model_dir`` must still hold the ``processor/`` folder (the
+    tokenizer is not shipped with the pack) and the components not given as files.
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
     ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
@@ -266,18 +306,43 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
     SpeedOptions(attention, compile_blocks, cfg_lockstep)  # checked before any weight is read
     dit_compute = fp8_compute_dtype(device) if is_fp8(chosen["transformer"]) else chosen["transformer"]
     diffusers_backend(attention, device, dit_compute)
-    root = check_package(model_dir, transformer_subfolder)
-    loras = check_loras(loras, root, transformer_subfolder)
+    files = {"transformer": transformer_file, "text_encoder": text_encoder_file, "vae": vae_file}
+    if model_dir is None:
+        raise ModelPackageError(
+            "model_dir is needed: the Qwen3-VL tokenizer and processor are not shipped with the pack; give a "
+            "LingBot-Video package folder (or any folder holding the release's processor/ folder)"
+            + (" next to the single files." if any(files.values()) else "."))
+    root = check_package(model_dir, transformer_subfolder, files)
+    dit_file = None
+    if transformer_file is not None:
+        from .dit_files import DitFile
 
-    transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
-    transformer.fp8_compute_dtype = fp8_compute_dtype(device)  # used when the blocks are stored in fp8
+        dit_file = DitFile(transformer_file, transformer_subfolder)
+    loras = check_loras(loras, root, transformer_subfolder, transformer_file)
+
+    if dit_file is not None:
+        from .dit_files import file_checkpoint_tensor, load_dit_file
+
+        config = transformer_config(root, transformer_subfolder, transformer_file, dit_file)
+        transformer = load_dit_file(transformer_file, chosen["transformer"], config, transformer_subfolder, dit_file)
+        checkpoint_weight = functools.partial(file_checkpoint_tensor, transformer_file, transformer_subfolder)
+    else:
+        transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
+        checkpoint_weight = functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder)
+    if is_fp8(chosen["transformer"]):
+        transformer.stored_compute_dtype = fp8_compute_dtype(device)  # bf16, or fp16 below sm80 (precision)
     common = dict(local_files_only=True, use_safetensors=True)
-    try:
-        text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
-            root, subfolder="text_encoder", dtype=chosen["text_encoder"], attn_implementation="sdpa", **common
-        )
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelPackageError(f"text_encoder: could not load {root / 'text_encoder'}: {e}") from None
+    if text_encoder_file is not None:
+        from .component_files import load_text_encoder_file
+
+        text_encoder = load_text_encoder_file(text_encoder_file, chosen["text_encoder"], root / "text_encoder")
+    else:
+        try:
+            text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
+                root, subfolder="text_encoder", dtype=chosen["text_encoder"], attn_implementation="sdpa", **common
+            )
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelPackageError(f"text_encoder: could not load {root / 'text_encoder'}: {e}") from None
     # Only the final hidden states are used; an Identity head makes the hooked top-level call return them.
     text_encoder.lm_head = torch.nn.Identity()
     text_encoder.eval().requires_grad_(False)
@@ -285,10 +350,15 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         processor = Qwen3VLProcessor.from_pretrained(root, subfolder="processor", local_files_only=True)
     except (OSError, ValueError, TypeError) as e:
         raise ModelPackageError(f"processor: could not load {root / 'processor'}: {e}") from None
-    try:
-        vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=chosen["vae"], **common)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise ModelPackageError(f"vae: could not load {root / 'vae'}: {e}") from None
+    if vae_file is not None:
+        from .component_files import load_vae_file, vae_config
+
+        vae = load_vae_file(vae_file, chosen["vae"], vae_config(root / "vae"))
+    else:
+        try:
+            vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=chosen["vae"], **common)
+        except (OSError, ValueError, RuntimeError) as e:
+            raise ModelPackageError(f"vae: could not load {root / 'vae'}: {e}") from None
     vae.eval().requires_grad_(False)
     scheduler_config = load_scheduler_config(str(root / "scheduler" / "scheduler_config.json"))
     if float(scheduler_config.get("shift", 1.0)) != 1.0:
@@ -297,7 +367,7 @@ def load_pipeline(model_dir, *, transformer_subfolder: str = "transformer", offl
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
-        checkpoint_weight=functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder),
+        checkpoint_weight=checkpoint_weight,
     )
     if pipe.own_sampler == "dmd_student":
         logger.info("%s is a DMD-distilled student (%s): sampler 'auto' runs dmd_student (recipe: 8 steps, guidance 1.0, "

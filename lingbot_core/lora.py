@@ -451,7 +451,7 @@ def lora_targets(model: nn.Module) -> Dict[str, nn.Module]:
 class ApplyReport:
     merged: int = 0  # weights replaced by merged copies
     restored: int = 0  # weights put back to the checkpoint's
-    run_time: int = 0  # fp8 Linears given run-time adapters
+    run_time: int = 0  # fp8 or GGUF-quantized Linears given run-time adapters
     adapter_bytes: int = 0
 
 
@@ -461,8 +461,8 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
     Linears stored in bf16/fp16/fp32 get merged weights ``(W.float() + delta).to(W.dtype)``, where W
     is the checkpoint's tensor: the current one if it was never merged, else ``original(key, dtype)``
     read again from the package (so no change ever compounds rounding, and a removal gives back the
-    loaded tensor bit for bit). fp8-stored Linears keep their weights and get run-time adapters in bf16.
-    ``merged`` (the parameter keys currently merged) is updated as each weight is written, so an
+    loaded tensor bit for bit). fp8-stored and GGUF-quantized Linears keep their weights and get run-time
+    adapters in the DiT's compute dtype (bf16 for fp8). ``merged`` (the parameter keys currently merged) is updated as each weight is written, so an
     error part-way (a package file that vanished) leaves it true for the next call to repair.
     ``compute_device`` (e.g. the CUDA execution device) forms the deltas and merged weights there, one
     weight at a time, and puts the result back on the weight's home device.
@@ -472,9 +472,10 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
 
     touched = {m for lora in stack for m in lora.modules}
     report = ApplyReport()
+    adapter_dtype = getattr(model, "compute_dtype", FP8_COMPUTE_DTYPE)
     for name, module in lora_targets(model).items():
-        run_time = is_fp8(module.weight.dtype)
-        entry = run_time_adapters(name, stack, FP8_COMPUTE_DTYPE) if run_time and name in touched else {}
+        run_time = is_fp8(module.weight.dtype) or module.weight_qtype is not None
+        entry = run_time_adapters(name, stack, adapter_dtype) if run_time and name in touched else {}
         device = module.weight.device
         for param in ADAPTER_PARAMS:
             t = entry.get(param)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import json
 import logging
 import os
 import sys
@@ -131,34 +132,58 @@ def _loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=No
     return out
 
 
-def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype]) -> int:
-    """RAM the weights of one pipeline take at the given component dtypes (headers only, no weights read)."""
+def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype],
+                  files: Optional[dict] = None) -> int:
+    """RAM the weights of one pipeline take at the given component dtypes (headers only, no weights read).
+
+    ``files`` (component -> single file, as ``load_pipeline`` takes them) replace package components; a
+    GGUF DiT counts its quantized weights at their mapped file size (they stay mapped)."""
     from .checkpoint_files import safetensors_files
     from .transformer import is_fp32_island
 
     root = Path(model_dir)
+    files = files or {}
     total = 0
-    for sub, stem, dtype, islands in (
-        (transformer_subfolder, "diffusion_pytorch_model", dtypes["transformer"], is_fp32_island),
-        ("text_encoder", "model", dtypes["text_encoder"], None),
-        ("vae", "diffusion_pytorch_model", dtypes["vae"], None),
+    for comp, sub, stem, dtype, islands in (
+        ("transformer", transformer_subfolder, "diffusion_pytorch_model", dtypes["transformer"], is_fp32_island),
+        ("text_encoder", "text_encoder", "model", dtypes["text_encoder"], None),
+        ("vae", "vae", "diffusion_pytorch_model", dtypes["vae"], None),
     ):
-        for path in safetensors_files(root / sub, sub, stem):
+        single = files.get(comp)
+        if single and comp == "transformer":
+            from .dit_files import DitFile, loaded_bytes
+
+            total += sum(loaded_bytes(DitFile(single), dtype, _package_config(root / sub)).values())
+            continue
+        for path in [Path(single)] if single else safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)
     return total
 
 
-def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype) -> int:
+def _package_config(folder: Path) -> Optional[dict]:
+    path = folder / "config.json"
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None) -> int:
     """Pinned host bytes offload ``block`` takes on a CUDA device: its staging buffers, each as large as
-    the largest DiT block (tensors aligned as in the ring; headers only, no weights read)."""
+    the largest DiT block (tensors aligned as in the ring; headers only, no weights read). A GGUF DiT's
+    blocks stream their quantized bytes."""
     from .checkpoint_files import safetensors_files
     from .offload import RING_ALIGN, RING_SLOTS
     from .transformer import is_fp32_island
 
     folder = Path(model_dir) / transformer_subfolder
     per_block: Dict[str, int] = {}
-    for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model"):
-        for name, n in _loaded_tensor_bytes(path, dtype, is_fp32_island).items():
+    if transformer_file:
+        from .dit_files import DitFile, loaded_bytes
+
+        tables = [loaded_bytes(DitFile(transformer_file), dtype, _package_config(folder))]
+    else:
+        tables = [_loaded_tensor_bytes(path, dtype, is_fp32_island)
+                  for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
+    for table in tables:
+        for name, n in table.items():
             parts = name.split(".")
             if len(parts) > 2 and parts[0] == "blocks":
                 per_block[parts[1]] = per_block.get(parts[1], 0) + -(-n // RING_ALIGN) * RING_ALIGN

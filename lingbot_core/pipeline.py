@@ -247,7 +247,7 @@ class LingbotPipeline:
         finally:
             self.offloader.apply(mode, device)
             trim_heap()  # the replaced weights' pages
-        logger.info("LingBot-Video: %s DiT LoRA: %s (%d weights merged, %d restored, %d fp8 layers with run-time adapters).",
+        logger.info("LingBot-Video: %s DiT LoRA: %s (%d weights merged, %d restored, %d fp8/GGUF layers with run-time adapters).",
                     self.transformer_subfolder, describe_stack(stack), report.merged, report.restored, report.run_time)
 
     def _checkpoint_tensor(self, key: str, dtype: torch.dtype) -> torch.Tensor:

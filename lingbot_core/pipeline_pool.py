@@ -16,7 +16,6 @@ pipeline's handles stay valid and load again when next used.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -32,7 +31,7 @@ from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
 from .latents import LatentNormalizer
 from .loading import (
     COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_loras, check_package, check_transformer,
-    default_dtypes, load_pipeline,
+    default_dtypes, load_pipeline, transformer_config,
 )
 from .lora import LoraStack, check_strength, describe_stack
 from .memory import (
@@ -83,7 +82,13 @@ class PipelineSpec:
 
     @property
     def label(self) -> str:
-        return f"{Path(self.model_dir).name} ({self.transformer_subfolder})"
+        dit = self.files()["transformer"]
+        return f"{Path(dit or self.model_dir).name} ({self.transformer_subfolder})"
+
+    def files(self) -> Dict[str, Optional[str]]:
+        """Single files replacing package components (``transformer_file``... options), by component."""
+        options = dict(self.options)
+        return {c: options.get(f"{c}_file") for c in COMPONENTS}
 
     def load_dtypes(self) -> Dict[str, torch.dtype]:
         chosen = default_dtypes(torch.device(self.device), log=len(self.dtypes) < len(COMPONENTS),
@@ -132,8 +137,15 @@ class PipelinePool:
         check_blocks_on_gpu(blocks_on_gpu)
         spec = PipelineSpec.create(model_dir, transformer_subfolder, dtypes, device, devices, **options)
         if not self.is_loaded(spec):  # a loaded pipeline needs no files: switching offload reads nothing
-            root = check_package(model_dir, transformer_subfolder)
-            check_transformer(root / transformer_subfolder, transformer_subfolder)
+            files = spec.files()
+            root = check_package(model_dir, transformer_subfolder, files)
+            if files.get("transformer"):
+                from .dit_files import DitFile, check_dit_file
+
+                check_dit_file(DitFile(files["transformer"], transformer_subfolder),
+                               transformer_config(root, transformer_subfolder, files["transformer"]), transformer_subfolder)
+            else:
+                check_transformer(root / transformer_subfolder, transformer_subfolder)
         if speed is not None:
             diffusers_backend(speed.attention, torch.device(spec.device), _compute_dtype(spec))  # refuse before loading
         return LazyPipeline(self, spec, offload, blocks_on_gpu, speed)
@@ -150,7 +162,7 @@ class PipelinePool:
     def weight_bytes(self, spec: PipelineSpec) -> int:
         """The RAM the weights of ``spec`` take (from the safetensors headers; cached)."""
         if spec not in self._bytes:
-            self._bytes[spec] = package_bytes(spec.model_dir, spec.transformer_subfolder, spec.load_dtypes())
+            self._bytes[spec] = package_bytes(spec.model_dir, spec.transformer_subfolder, spec.load_dtypes(), spec.files())
         return self._bytes[spec]
 
     def pin_bytes(self, spec: PipelineSpec) -> int:
@@ -160,7 +172,7 @@ class PipelinePool:
             return 0
         if spec not in self._pins:
             self._pins[spec] = block_ring_bytes(spec.model_dir, spec.transformer_subfolder,
-                                                spec.load_dtypes()["transformer"])
+                                                spec.load_dtypes()["transformer"], spec.files()["transformer"])
         return self._pins[spec]
 
     def _held(self) -> int:
@@ -360,7 +372,8 @@ class LazyPipeline:
         """A new handle on the same weights whose LoRA stack is this one's plus ``path`` at ``strength``.
         The file is checked against the DiT from headers and config.json only (no weight is read)."""
         strength = check_strength(strength)
-        stack = check_loras([*self.loras, (path, strength)], self.spec.model_dir, self.spec.transformer_subfolder)
+        stack = check_loras([*self.loras, (path, strength)], self.spec.model_dir, self.spec.transformer_subfolder,
+                            self.spec.files()["transformer"])
         return LazyPipeline(self.pool, self.spec, self.offload, self.blocks_on_gpu, self.speed, stack)
 
     @property
@@ -379,9 +392,11 @@ class LazyPipeline:
     def normalizer(self) -> LatentNormalizer:
         """VAE <-> DiT latent space, from ``vae/config.json`` (no weights needed)."""
         if self._normalizer is None:
+            from .component_files import vae_config
+
             path = Path(self.spec.model_dir) / "vae" / "config.json"
             try:
-                cfg = json.loads(path.read_text(encoding="utf-8"))
+                cfg = vae_config(path.parent)  # the shipped Wan 2.1 config when a VAE file stands in
             except (OSError, ValueError) as e:
                 raise ModelPackageError(f"vae: could not read {path}: {e}") from None
             self._normalizer = LatentNormalizer(cfg.get("latents_mean"), cfg.get("latents_std"))

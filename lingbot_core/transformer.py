@@ -24,6 +24,7 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 from diffusers.models.modeling_utils import ModelMixin
 
+from . import gguf_weights
 from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
 from .precision import grouped_mm_supported
 
@@ -65,20 +66,26 @@ class Linear(nn.Linear):
     The weights are cast per call, never in place, so fp32-island linears keep fp32 storage. The cast
     happens inside ``forward`` so that offload hooks on this module fire before its weights are read.
     An fp8-stored weight carries a ``scale_weight`` buffer (see :mod:`lingbot_core.fp8`); otherwise
-    that buffer is ``None`` and not part of the state dict.
+    that buffer is ``None`` and not part of the state dict. A GGUF-quantized weight is its raw block bytes
+    with ``weight_qtype`` set (see :mod:`lingbot_core.gguf_weights`), dequantized here on the input's device.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("scale_weight", None)
+        self.weight_qtype = None
         for name in ADAPTER_PARAMS:  # LoRA adapters, added at run time (see lingbot_core.lora)
             self.register_parameter(name, None)
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        dtype = dtype or self.weight.dtype
+        dtype = dtype or (x.dtype if self.weight_qtype is not None else self.weight.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
-        y = F.linear(x, dequantize(self.weight, self.scale_weight, dtype), bias)
+        if self.weight_qtype is not None:
+            weight = gguf_weights.dequantize(self.weight, self.weight_qtype, dtype, x.device)
+        else:
+            weight = dequantize(self.weight, self.scale_weight, dtype)
+        y = F.linear(x, weight, bias)
         delta = adapter_output(self, x, dtype)
         return y if delta is None else y + delta
 
@@ -232,7 +239,8 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """Raw expert weights; read by :class:`MoEFeedForward` (this container has no forward).
 
-    fp8-stored stacks carry one scale per expert in ``scale_w1/2/3`` (``None`` otherwise).
+    fp8-stored stacks carry one scale per expert in ``scale_w1/2/3`` (``None`` otherwise). GGUF stacks are
+    raw block bytes ``(experts, rows, row_bytes)`` with their type in ``qtypes`` (see ``gguf_weights``).
     """
 
     def __init__(self, num_experts: int, dim: int, hidden: int):
@@ -242,12 +250,14 @@ class Experts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden, dim))
         for name in ("w1", "w2", "w3"):
             self.register_buffer(f"scale_{name}", None)
+        self.qtypes = {}
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w1, w3, w2)`` in ``dtype``, each whole stack converted once (bf16 stacks are returned as they
         are). fp8 stacks cost one cast and one in-place scale per stack, whatever the number of experts;
         the price is one block's expert weights in bf16 while the layer runs."""
-        return tuple(dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
+        return tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
+                     else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -531,8 +541,9 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         self.norm_out_modulation = nn.Sequential(nn.SiLU(), Linear(dim, 2 * dim))
         self.proj_out = Linear(dim, patch_dim // in_channels * out_channels, bias=True)
         self._rope_cache: "OrderedDict[tuple, torch.Tensor]" = OrderedDict()
-        # What fp8-stored weights are computed in: bf16 unless the loader chose fp16 (below sm80, see precision).
-        self.fp8_compute_dtype = FP8_COMPUTE_DTYPE
+        # What weights stored in fp8 or as GGUF blocks are computed in: set by the loader that chose it
+        # (auto's DiT dtype for the execution device, see precision); bf16 until then.
+        self.stored_compute_dtype = FP8_COMPUTE_DTYPE
 
     # -- RoPE table cache --------------------------------------------------------------------
 
@@ -564,10 +575,12 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload); when
-        they are stored in fp8, :attr:`fp8_compute_dtype` (set by the loader for the execution device)."""
-        dtype = self.blocks[0].attn.to_q.weight.dtype
-        return self.fp8_compute_dtype if is_fp8(dtype) else dtype
+        """The dtype of the attention/FFN weights (meta tensors keep their dtype under offload); for weights
+        stored in fp8 or as GGUF blocks, :attr:`stored_compute_dtype`."""
+        to_q = self.blocks[0].attn.to_q
+        if to_q.weight_qtype is not None or is_fp8(to_q.weight.dtype):
+            return self.stored_compute_dtype
+        return to_q.weight.dtype
 
     def to(self, *args, **kwargs):
         """Like ``nn.Module.to``, but a floating-point dtype cast keeps the fp32 islands in fp32."""

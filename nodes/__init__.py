@@ -1,7 +1,7 @@
 """ComfyUI adapters onto lingbot_core: the node classes and their registration."""
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
-from .loader import LoadLingbotPipeline, UnloadLingbotPipeline
+from .loader import LoadLingbotPipeline, LoadLingbotPipelineFiles, UnloadLingbotPipeline
 from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .remote import LingbotRemoteGenerate, LingbotRemoteServer
@@ -11,6 +11,7 @@ from .vae import LoadLingbotVAE
 
 NODE_CLASS_MAPPINGS = {
     "LoadLingbotPipeline": LoadLingbotPipeline,
+    "LoadLingbotPipelineFiles": LoadLingbotPipelineFiles,
     "EncodeImageVAE": EncodeImageVAE,
     "GenerateVideo": GenerateVideo,
     "Refine": Refine,
@@ -28,6 +29,7 @@ NODE_CLASS_MAPPINGS = {
 
 NODE_DISPLAY_NAME_MAPPINGS = {
     "LoadLingbotPipeline": "Load LingBot-Video Pipeline",
+    "LoadLingbotPipelineFiles": "Load LingBot-Video Pipeline (files)",
     "EncodeImageVAE": "LingBot-Video Encode Image (VAE)",
     "GenerateVideo": "LingBot-Video Generate",
     "Refine": "LingBot-Video Refine",

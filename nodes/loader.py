@@ -9,7 +9,9 @@ import comfy.model_management
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from ..lingbot_core.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
-from .model_folders import package_choices, resolve_package
+from .model_folders import (
+    FROM_PACKAGE, component_file_choices, package_choices, resolve_component_file, resolve_package,
+)
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -20,11 +22,13 @@ TRANSFORMERS = ["transformer", "refiner"]
 
 
 def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                    blocks_on_gpu=0, speed_options=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
+                    blocks_on_gpu=0, speed_options=None, text_encoder_device=DEFAULT, vae_device=DEFAULT,
+                    files=None):
     """The one place that turns the loader's widgets into a handle (new loader options go here).
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
-    package is checked (folders, safetensors headers); no weight is read.
+    package is checked (folders, safetensors headers); no weight is read. ``files`` (component -> name
+    in a ComfyUI models folder, or "(from the package)") replaces package components by single files.
     """
     for name, value, allowed in (("offload", offload, list(OFFLOAD_MODES)),
                                  ("dit_precision", dit_precision, DIT_PRECISIONS),
@@ -40,10 +44,15 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         dtypes["transformer"] = dit_precision
     if text_encoder_precision != "auto":
         dtypes["text_encoder"] = text_encoder_precision
+    chosen = {}
+    for component, name in (files or {}).items():
+        path = resolve_component_file(component, name)
+        if path is not None:
+            chosen[f"{component}_file"] = path
     return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
                               dtypes=dtypes, device=comfy_device(),
                               blocks_on_gpu=blocks_on_gpu, speed=speed_options,
-                              devices={"text_encoder": text_encoder_device, "vae": vae_device})
+                              devices={"text_encoder": text_encoder_device, "vae": vae_device}, **chosen)
 
 
 def comfy_device():
@@ -109,6 +118,44 @@ class LoadLingbotPipeline:
         job = current_job()
         if job is not None and unique_id is not None:
             # Until these nodes have used it, the pipeline is not evicted to make room for another one.
+            pipe.pool.expect(pipe.spec, job, _consumers(prompt, unique_id))
+        return (pipe,)
+
+
+class LoadLingbotPipelineFiles(LoadLingbotPipeline):
+    DESCRIPTION = (
+        "Like Load LingBot-Video Pipeline, with the DiT (and optionally the text encoder and VAE) taken from "
+        "single files in ComfyUI's model folders: a GGUF (Q3_K..Q8_0, realrebelai or stable-diffusion.cpp "
+        "layout) or safetensors DiT from models/diffusion_models or models/unet, the Qwen3-VL-4B text encoder "
+        "from models/text_encoders or models/clip, the Wan 2.1 VAE from models/vae. GGUF weights stay "
+        "memory-mapped and are dequantized layer by layer on the GPU: with offload 'block' a Q4_K_M MoE "
+        "streams about 17 GB per step instead of 56. The package ('model') still provides the Qwen3-VL "
+        "processor (tokenizer) and any component left '(from the package)'."
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        spec = super().INPUT_TYPES()
+        required = dict(spec["required"])
+        required["model"] = (required["model"][0], {"tooltip": "The package that provides the processor (tokenizer) and the components left '(from the package)': a folder under models/diffusers or models/lingbot_video."})
+        files = {
+            "dit_file": (component_file_choices("transformer"), {"default": FROM_PACKAGE, "tooltip": "A LingBot-Video DiT file (.gguf or .safetensors) in models/diffusion_models or models/unet; it takes the role chosen in 'transformer'."}),
+            "text_encoder_file": (component_file_choices("text_encoder"), {"default": FROM_PACKAGE, "tooltip": "The Qwen3-VL-4B text encoder as one .safetensors file (models/text_encoders or models/clip)."}),
+            "vae_file": (component_file_choices("vae"), {"default": FROM_PACKAGE, "tooltip": "The Wan 2.1 VAE as one .safetensors file (models/vae), e.g. wan_2.1_vae.safetensors."}),
+        }
+        order = ["model", "dit_file", "text_encoder_file", "vae_file"]
+        merged = {k: files.get(k, required.get(k)) for k in order}
+        merged.update((k, v) for k, v in required.items() if k not in merged)
+        return {**spec, "required": merged}
+
+    def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
+             dit_file=FROM_PACKAGE, text_encoder_file=FROM_PACKAGE, vae_file=FROM_PACKAGE, blocks_on_gpu=0,
+             speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
+        pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
+                               blocks_on_gpu, speed_options, text_encoder_device, vae_device,
+                               files={"transformer": dit_file, "text_encoder": text_encoder_file, "vae": vae_file})
+        job = current_job()
+        if job is not None and unique_id is not None:
             pipe.pool.expect(pipe.spec, job, _consumers(prompt, unique_id))
         return (pipe,)
 

@@ -108,3 +108,70 @@ def resolve_lora(name: str) -> str:
             "refresh the browser; paths typed into the workflow are not accepted."
         )
     return path
+
+
+# -- single component files (the files ComfyUI users already have) ------------------------------------
+
+# Component -> (ComfyUI folder keys searched in order, accepted suffixes).
+COMPONENT_FOLDERS = {
+    "transformer": (("diffusion_models", "unet"), (".gguf", ".safetensors")),
+    "text_encoder": (("text_encoders", "clip"), (".safetensors",)),
+    "vae": (("vae",), (".safetensors",)),
+}
+FROM_PACKAGE = "(from the package)"
+
+
+def list_component_files(component: str) -> Dict[str, str]:
+    """``{name relative to its models folder: path}`` of the files a component may be loaded from, first
+    folder wins. The folders are scanned here rather than through ``folder_paths.get_filename_list``,
+    whose extension lists (ComfyUI's own) do not include ``.gguf``; symlinks are followed, link loops
+    are not, and the depth is bounded as for packages."""
+    keys, suffixes = COMPONENT_FOLDERS[component]
+    found: Dict[str, str] = {}
+    for key in keys:
+        try:
+            roots = folder_paths.get_folder_paths(key)
+        except KeyError:
+            continue
+        for root in roots:
+            if os.path.isdir(root):
+                _scan_files(root, "", (os.path.realpath(root),), suffixes, found)
+    return dict(sorted(found.items()))
+
+
+def _scan_files(folder: str, rel: str, ancestors: tuple, suffixes: tuple, found: Dict[str, str]) -> None:
+    try:
+        names = sorted(os.listdir(folder))
+    except OSError:
+        return
+    for name in names:
+        if name.startswith("."):
+            continue
+        path = os.path.join(folder, name)
+        sub = f"{rel}/{name}" if rel else name
+        if os.path.isfile(path):
+            if name.lower().endswith(suffixes):
+                found.setdefault(sub, path)
+        elif os.path.isdir(path) and sub.count("/") + 1 < MAX_DEPTH:
+            real = os.path.realpath(path)
+            if real not in ancestors:
+                _scan_files(path, sub, ancestors + (real,), suffixes, found)
+
+
+def component_file_choices(component: str) -> List[str]:
+    return [FROM_PACKAGE, *list_component_files(component)]
+
+
+def resolve_component_file(component: str, name: str):
+    """The path of a listed file, or None for :data:`FROM_PACKAGE`; anything else is refused."""
+    if name == FROM_PACKAGE:
+        return None
+    listed = list_component_files(component)
+    if name not in listed:
+        keys, suffixes = COMPONENT_FOLDERS[component]
+        shown = ", ".join(list(listed)[:10]) or "none found"
+        raise ValueError(
+            f"{component} file {name!r} is not one of the {'/'.join(suffixes)} files in models/{' or models/'.join(keys)} "
+            f"({shown}). Put the file there and refresh the browser; paths typed into the workflow are not accepted."
+        )
+    return listed[name]

@@ -93,7 +93,7 @@ MOE_PACKAGE_VERSION = 1
 ASYNC_ALLOC = "backend:cudaMallocAsync"
 MIB = 1024 * 1024
 # Seconds a part needs at least on one H200 (estimates): a part is not started with less time left.
-PART_ESTIMATE_S = {"speed": 150, "moe": 30, "ring": 120, "decode": 90}
+PART_ESTIMATE_S = {"speed": 150, "gguf": 120, "moe": 30, "ring": 120, "decode": 90}
 DECODE_SIZE = (1088, 1920)
 
 
@@ -499,6 +499,54 @@ def placement_check(device, workdir: Path) -> dict:
     return {"workload": dict(TINY_RUN, ti2v=True), "runs": runs}
 
 
+def gguf_check(device, workdir: Path, size: str) -> dict:
+    """Issue 23: a MoE-shaped GGUF DiT (Q4_K and Q8_0, random valid blocks) in offload block: bytes copied
+    per step (the streamed blocks' quantized bytes), step time and peak VRAM. ``full``: the 30B-A3B width
+    with 8 of its 48 blocks; ``tiny``: a 256-wide, 2-block MoE with 128 experts (the code path only)."""
+    from bench.gguf import ensure_side_package, moe_config
+    from lingbot_core import load_pipeline
+    from lingbot_core.gguf_fixtures import write_random_gguf_dit
+    from lingbot_core.offload import BlockStreamer, _hooks
+    from lingbot_core.scheduling import shifted_sigmas
+    from lingbot_core.text_conditioning import PromptEmbeds
+
+    side = ensure_side_package(workdir)
+    if size == "full":
+        config, latent = moe_config(8), (1, 16, 5, 60, 104)
+    else:
+        config = {**moe_config(2), "hidden_size": 256, "num_attention_heads": 2, "moe_intermediate_size": 256}
+        latent = (1, 16, 2, 16, 16)
+    rows = []
+    for qtype in ("Q4_K", "Q8_0"):
+        path = workdir / f"gguf-check-{size}-{qtype}.gguf"
+        if not path.is_file():
+            write_random_gguf_dit(path, config, qtype, layout="rebel", seed=0)
+        # no transformer/config.json in the side folder: the config comes from the file's shapes
+        pipe = load_pipeline(side, transformer_file=path, offload="block", device=device,
+                             dtypes={"transformer": "bf16", "text_encoder": "bf16", "vae": "fp32"})
+        try:
+            streamer = next(h for h in _hooks(pipe.transformer) if isinstance(h, BlockStreamer))
+            per_forward = sum(u.nbytes for u in streamer.streamed)
+            gen = torch.Generator().manual_seed(0)
+            embeds = PromptEmbeds(torch.randn(1, 64, 2560, generator=gen), None)
+            latents = torch.randn(*latent, generator=gen)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            t0 = time.perf_counter()
+            out = pipe.denoise(embeds, latents, sigmas=list(shifted_sigmas(2, 3.0)), guidance_scale=1.0)
+            _sync(device)
+            step_s = (time.perf_counter() - t0) / 2
+            row = {"type": qtype, "blocks": config["depth"], "file_bytes": path.stat().st_size,
+                   "streamed_bytes_per_step": per_forward, "step_s": round(step_s, 3), "finite": bool(torch.isfinite(out).all())}
+            if device.type == "cuda":
+                row["peak_vram_mib"] = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
+            rows.append(row)
+            log(f"GGUF {qtype} {config['depth']} blocks: {per_forward / MIB:.0f} MiB streamed per step, {step_s:.2f} s/step")
+        finally:
+            pipe.release()
+    return {"latent": list(latent), "rows": rows}
+
+
 def moe_check(device, size: str) -> dict:
     from bench.moe_ffn import run
     from lingbot_core.precision import grouped_mm_fast, grouped_mm_supported
@@ -610,6 +658,13 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['other']} | {r['mode']} | {r['max_abs']:.3g} | {r.get('dit_device_peak_mib', '—')} | "
                          f"{'yes' if r['ok'] else 'NO'} |")
         lines.append("")
+    gg = report.get("gguf")
+    if gg:
+        lines += ["GGUF MoE DiT in offload block (latent " + "x".join(map(str, gg["latent"])) + "):", "",
+                  "| type | blocks | file | streamed per step | s/step | peak VRAM |", "|---|---|---|---|---|---|"]
+        lines += [f"| {r['type']} | {r['blocks']} | {r['file_bytes'] / MIB:.0f} MiB | {r['streamed_bytes_per_step'] / MIB:.0f} MiB "
+                  f"| {r['step_s']} | {r.get('peak_vram_mib', '-')} MiB |" for r in gg["rows"]]
+        lines += [""]
     moe = report.get("moe")
     if moe:
         lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
@@ -659,7 +714,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, moe, "
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, gguf, moe, "
                                               "ring, decode")
     p.add_argument("--decode-frames", type=int, default=17, help="frames of the decode part's 1088x1920 video (CUDA)")
     p.add_argument("--speed-steps", type=int, default=20, help="steps of the speed part's workload (CUDA)")
@@ -741,7 +796,7 @@ def main(argv=None) -> int:
                 report["after_release"].append(info)
                 write(report, out, t_start)
 
-            later = [p for p in ("moe", "ring", "decode") if p not in skip and (p == "moe" or device.type == "cuda")]
+            later = [p for p in ("gguf", "moe", "ring", "decode") if p not in skip and (p in ("gguf", "moe") or device.type == "cuda")]
             rows_deadline = deadline - sum(PART_ESTIMATE_S[p] for p in later)  # the parts after the rows keep their time
             run_rows(here, device, pkgs, work, rows_deadline, emit, released)
             if child and device.type == "cuda":
@@ -772,6 +827,10 @@ def main(argv=None) -> int:
             log(f"{name} ...")
             return True
 
+        if part("gguf"):
+            with tempfile.TemporaryDirectory(prefix="lingbot-gguf-check-") as gtmp:
+                report["gguf"] = gguf_check(device, Path(gtmp), args.size)
+            write(report, out, t_start)
         if part("moe"):
             report["moe"] = moe_check(device, args.size)
             write(report, out, t_start)

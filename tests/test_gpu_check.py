@@ -64,3 +64,8 @@ def test_gpu_check_tiny_cpu(tmp_path):
     assert "| dense-bf16-block | dense | bf16 | block K=0 | native |" in md
     assert [(r["other"], r["mode"], r["identical"]) for r in report["placement"]["runs"]] == [
         ("cpu", "none", True), ("cpu", "model", True)]  # on a CPU host "another device" is the same one
+    gg = report["gguf"]["rows"]  # issue 23: a GGUF MoE in offload block streams its quantized bytes
+    assert [r["type"] for r in gg] == ["Q4_K", "Q8_0"] and all(r["finite"] for r in gg)
+    assert all(0 < r["streamed_bytes_per_step"] < r["file_bytes"] for r in gg)
+    assert gg[0]["streamed_bytes_per_step"] < 0.6 * gg[1]["streamed_bytes_per_step"]  # 4.5 vs 8.5 bits a weight
+    assert "| Q4_K | 2 |" in md

@@ -57,10 +57,16 @@ def test_four_step_example_loads_with_no_missing_node_and_runs_on_the_tiny_moe(s
     assert "models/loras" in note["widgets_values"][0]
 
     patch_nodes(api, "LoadLingbotPipeline", model=MOE)
+    run_tiny_four_step_example(server, api, EXAMPLE)
+
+
+def run_tiny_four_step_example(server, api: dict, name: str) -> None:
+    """Run a four-step LoRA example (its loader already patched to a tiny model) with the tiny LoRA at
+    the fixture's size, and check the video it saves."""
     patch_nodes(api, "LoadLingbotLoRA", lora_name=TINY_LORA)
     patch_nodes(api, "GenerateVideo", width=W, height=H, num_frames=FRAMES)
     for sid in nodes_of(api, "SaveVideo"):
-        api[sid]["inputs"]["filename_prefix"] = f"test_{EXAMPLE}_{sid}"
+        api[sid]["inputs"]["filename_prefix"] = f"test_{name}_{sid}"
     entry = server.run(api, timeout=600)
     (sid,) = nodes_of(api, "SaveVideo")
     (path,) = node_files(server, entry, sid)

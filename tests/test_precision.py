@@ -63,7 +63,7 @@ def test_fp8_dit_computes_in_the_dtype_the_loader_chose(packages):
     try:
         dit = pipe.transformer
         assert dit.compute_dtype == BF16
-        dit.fp8_compute_dtype = FP16
+        dit.stored_compute_dtype = FP16
         assert dit.compute_dtype == FP16
         lin = dit.blocks[0].attn.to_q
         x = torch.randn(2, lin.in_features)

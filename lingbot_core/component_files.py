@@ -1,0 +1,160 @@
+"""Single-file text encoder and VAE, as ComfyUI users have them (docs/file-formats.md).
+
+- VAE (``models/vae``): the Wan 2.1 VAE under its original names (``decoder.middle.0.residual.0.gamma``,
+  Comfy-Org's ``wan_2.1_vae.safetensors``), converted with diffusers' own
+  ``convert_wan_vae_to_diffusers``, or already under diffusers' names. Its config is the package's
+  ``vae/config.json`` when there is one, else the Wan 2.1 config the pack ships (``data/``).
+- Text encoder (``models/text_encoders``): Qwen3-VL-4B in one safetensors file, under HF names
+  (``model.language_model.layers.0...``, ``model.visual...``) or ComfyUI's internal names
+  (``model.layers.0...``, ``visual...``); ``lm_head`` absent (tied to the embeddings); fp8_scaled files'
+  weights are multiplied by their ComfyUI scales (``scale_weight`` / ``weight_scale``) on load. The
+  Qwen3-VL config comes from the package's ``text_encoder/config.json`` (the pack does not ship it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from .checkpoint_files import ModelPackageError, SafetensorsReader, read_config
+from .fp8 import is_fp8
+
+DATA = Path(__file__).resolve().parent / "data"
+WAN21_VAE_CONFIG = DATA / "wan21_vae_config.json"
+
+_ORIGINAL_VAE_KEY = "decoder.middle.0.residual.0.gamma"
+_DIFFUSERS_VAE_KEY = "decoder.mid_block.resnets.0.norm1.gamma"
+_VAE_FOREIGN = (
+    ("decoder.mid.block_1.norm1.weight", "a Stable Diffusion / Flux VAE (ldm layout)"),
+    ("first_stage_model.", "a whole Stable Diffusion checkpoint"),
+    ("encoder.down_blocks.0.resnets.0.norm1.weight", "a diffusers AutoencoderKL (SD/Flux)"),
+)
+_QWEN_VISUAL_KEY = "visual.deepstack_merger_list.0.norm.weight"
+
+
+def vae_config(package_vae: Optional[Path]) -> dict:
+    """The package's VAE config when it has one (it wins), else the shipped Wan 2.1 config."""
+    if package_vae is not None and (Path(package_vae) / "config.json").is_file():
+        return read_config(Path(package_vae), "vae")
+    return json.loads(WAN21_VAE_CONFIG.read_text(encoding="utf-8"))
+
+
+def _what(keys, table) -> str:
+    for key, what in table:
+        if any(k == key or k.startswith(key) for k in keys):
+            return f"; it looks like {what}"
+    return ""
+
+
+def load_vae_file(path, dtype: torch.dtype, config: dict):
+    """The Wan 2.1 VAE of a single safetensors file (original or diffusers names), strictly checked."""
+    from diffusers import AutoencoderKLWan
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    path = Path(path)
+    reader = SafetensorsReader(path)
+    keys = reader.keys()
+    if _ORIGINAL_VAE_KEY in keys:
+        state = convert_wan_vae_to_diffusers({k: reader.get(k) for k in keys})
+    elif _DIFFUSERS_VAE_KEY in keys:
+        state = {k: reader.get(k) for k in keys}
+    else:
+        raise ModelPackageError(f"vae: {path.name} is not a Wan 2.1 VAE (no {_ORIGINAL_VAE_KEY}{_what(keys, _VAE_FOREIGN)}); "
+                                "expected the Wan 2.1 VAE, e.g. Comfy-Org's wan_2.1_vae.safetensors.")
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config({k: v for k, v in config.items() if not k.startswith("_")})
+    expected = vae.state_dict()
+    z = config.get("z_dim", 16)
+    conv = state.get("decoder.conv_in.weight")
+    if conv is not None and conv.shape[1] != z:
+        family = "a Wan 2.2 VAE (48 latent channels)" if conv.shape[1] == 48 else f"a VAE with {conv.shape[1]} latent channels"
+        raise ModelPackageError(f"vae: {path.name} is {family}; LingBot-Video uses the Wan 2.1 VAE ({z} latent channels).")
+    wrong = [k for k in expected if k not in state or tuple(state[k].shape) != tuple(expected[k].shape)]
+    extra = [k for k in state if k not in expected]
+    if wrong or extra:
+        sample = ", ".join((wrong + extra)[:3])
+        raise ModelPackageError(f"vae: {path.name} does not match the Wan 2.1 VAE config ({len(wrong)} tensors missing or "
+                                f"of another shape, {len(extra)} unexpected: {sample}).")
+    vae.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=True, assign=True)
+    return vae.eval().requires_grad_(False)
+
+
+# -- text encoder ------------------------------------------------------------------------------------
+
+
+def _hf_name(key: str) -> str:
+    """A Qwen3-VL checkpoint key under the HF names ``Qwen3VLForConditionalGeneration`` loads."""
+    if key.startswith("model.language_model.") or key.startswith("model.visual.") or key == "lm_head.weight":
+        return key
+    if key.startswith("visual."):
+        return "model." + key
+    if key.startswith("model."):  # ComfyUI's internal text-model names: model.layers.*, model.embed_tokens, model.norm
+        return "model.language_model." + key[len("model."):]
+    return key
+
+
+def text_encoder_state(path, dtype: torch.dtype, text_config) -> Dict[str, torch.Tensor]:
+    """The file's tensors under HF names in ``dtype``, fp8 weights descaled; checked to be Qwen3-VL of the
+    size ``text_config`` describes (hidden size, vision tower present)."""
+    path = Path(path)
+    reader = SafetensorsReader(path)
+    keys = reader.keys()
+    if not any(k.endswith(_QWEN_VISUAL_KEY) for k in keys):
+        raise ModelPackageError(f"text_encoder: {path.name} is not a Qwen3-VL text encoder with its vision tower "
+                                f"(no {_QWEN_VISUAL_KEY}); expected Qwen3-VL-4B, e.g. Comfy-Org's qwen3vl_4b_bf16.safetensors.")
+    scales: Dict[str, str] = {}
+    for k in keys:
+        owner, _, leaf = k.rpartition(".")
+        if leaf in ("scale_weight", "weight_scale"):
+            scales[f"{owner}.weight"] = k
+    state = {}
+    for k in keys:
+        leaf = k.rpartition(".")[2]
+        if leaf in ("scale_weight", "weight_scale", "scale_input", "input_scale") or k in ("scaled_fp8",):
+            continue
+        t = reader.get(k)
+        if k in scales or is_fp8(t.dtype):
+            w = t.to(torch.float32)
+            if k in scales:
+                w = w * reader.get(scales[k]).to(torch.float32)
+            t = w
+        state[_hf_name(k)] = t.to(dtype) if t.is_floating_point() else t
+    embed = state.get("model.language_model.embed_tokens.weight")
+    hidden = text_config.hidden_size
+    if embed is None or embed.shape[1] != hidden:
+        got = "no embed_tokens" if embed is None else f"hidden size {embed.shape[1]}"
+        raise ModelPackageError(f"text_encoder: {path.name} is a Qwen3-VL of {got}; LingBot-Video needs Qwen3-VL-4B "
+                                f"(hidden size {hidden}).")
+    return state
+
+
+def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Path):
+    """Qwen3-VL from one file, with the config of ``config_folder`` (the package's ``text_encoder/``)."""
+    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+
+    if not (Path(config_folder) / "config.json").is_file():
+        raise ModelPackageError(
+            f"text_encoder: a single-file text encoder needs the Qwen3-VL config, which the pack does not ship: copy "
+            f"text_encoder/config.json of a LingBot-Video release into {config_folder}.")
+    config = AutoConfig.from_pretrained(str(config_folder), local_files_only=True)
+    state = text_encoder_state(path, dtype, config.text_config)
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in Qwen3VLForConditionalGeneration(config).state_dict().items()}
+    missing = [k for k in expected if k not in state and k != "lm_head.weight"]
+    unexpected = [k for k in state if k not in expected]
+    wrong = [k for k in state if k in expected and tuple(state[k].shape) != expected[k]]
+    if missing or unexpected or wrong:
+        sample = ", ".join((missing + unexpected + wrong)[:3])
+        raise ModelPackageError(f"text_encoder: {Path(path).name} does not match the Qwen3-VL config ({len(missing)} missing, "
+                                f"{len(unexpected)} unexpected, {len(wrong)} of another shape: {sample}).")
+    try:
+        # transformers builds the model without initialising it, assigns the tensors, rebuilds the rotary
+        # buffers and ties lm_head to the embeddings (the file has no lm_head, as the release).
+        model = Qwen3VLForConditionalGeneration.from_pretrained(
+            None, config=config, state_dict=state, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError, RuntimeError) as e:
+        raise ModelPackageError(f"text_encoder: {Path(path).name} does not match the Qwen3-VL config ({e}).") from None
+    return model
