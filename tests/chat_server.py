@@ -32,6 +32,24 @@ class Reply:
     headers: Optional[Dict[str, str]] = None  # extra headers, e.g. a redirect's Location
 
 
+def send_raw(wfile, raw: bytes, drip: bool = False) -> None:
+    """A whole answer (status line included), at once or one byte every DRIP_INTERVAL seconds; it stops
+    when the client goes away, and after DRIP_MAX_SECONDS in any case."""
+    try:
+        if not drip:
+            wfile.write(raw)
+            return
+        end = time.monotonic() + DRIP_MAX_SECONDS
+        for i in range(len(raw)):
+            if time.monotonic() > end:
+                break
+            wfile.write(raw[i : i + 1])
+            wfile.flush()
+            time.sleep(DRIP_INTERVAL)
+    except OSError:  # the client gave up (timeouts, cancels)
+        pass
+
+
 def _events(model, text: str) -> bytes:
     """The answer as vLLM streams it: ``data: {chunk}`` events, then ``data: [DONE]``."""
     pieces = [text[i : i + 8] for i in range(0, len(text), 8)] or [""]
@@ -91,19 +109,7 @@ class ChatCompletionsServer:
                 head += [f"{k}: {v}" for k, v in (reply.headers or {}).items()]
                 raw = "\r\n".join(head).encode("latin-1") + b"\r\n\r\n" + data
                 self.close_connection = True
-                try:
-                    if reply.drip:
-                        end = time.monotonic() + DRIP_MAX_SECONDS
-                        for i in range(len(raw)):
-                            if time.monotonic() > end:
-                                break
-                            self.wfile.write(raw[i : i + 1])
-                            self.wfile.flush()
-                            time.sleep(DRIP_INTERVAL)
-                    else:
-                        self.wfile.write(raw)
-                except OSError:  # the client gave up (timeout tests)
-                    pass
+                send_raw(self.wfile, raw, drip=reply.drip)
 
         self._httpd = ThreadingHTTPServer((HOST, 0), Handler)
         self._httpd.daemon_threads = True

@@ -6,8 +6,7 @@ fields, files), and renders an mp4 encoded from known frames, so the pack's real
 to end. Failures are scripted per job (:class:`Script`). Never bind another address.
 
 Hostile behaviour, also per job: a redirect (to another server that records what reaches it), an
-answer dripped one byte every ``DRIP_INTERVAL`` seconds (status line and headers included; it stops
-when the client goes away, and after ``DRIP_MAX_SECONDS`` in any case), a raw poll body (a JSON
+answer dripped one byte every 0.5 s (status line and headers included; chat_server.send_raw), a raw poll body (a JSON
 nesting bomb).
 
 Dialects:
@@ -35,12 +34,13 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from chat_server import send_raw
+
 HOST = "127.0.0.1"
 # H.264 yuv420p at crf 0 is lossless in YUV, so the codec error is the RGB -> YUV 4:2:0 -> RGB round trip
 # (8-bit limited range, chroma halved) of the test pattern: measured max abs 8/255 (0.0314), mean 0.0085,
 # PSNR 39.6 dB at 96x64. The bound the tests hold the client to:
 YUV_MAX_ABS, YUV_MIN_PSNR = 10 / 255, 37.0
-DRIP_INTERVAL, DRIP_MAX_SECONDS = 0.5, 20.0
 STAGES = ("submit", "poll", "content", "delete")
 
 
@@ -179,19 +179,7 @@ class VideosServer:
                 head += [f"{k}: {v}\r\n" for k, v in extra]
                 raw = "".join(head).encode("latin-1") + b"\r\n" + data
                 self.close_connection = True
-                try:
-                    if script is not None and script.drip == stage:
-                        end = time.monotonic() + DRIP_MAX_SECONDS
-                        for i in range(len(raw)):
-                            if time.monotonic() > end:
-                                break
-                            self.wfile.write(raw[i : i + 1])
-                            self.wfile.flush()
-                            time.sleep(DRIP_INTERVAL)
-                    else:
-                        self.wfile.write(raw)
-                except OSError:  # the client gave up (timeouts, cancels)
-                    pass
+                send_raw(self.wfile, raw, drip=script is not None and script.drip == stage)
 
             def _json(self, status: int, value, script: Optional[Script] = None, stage: str = ""):
                 data = json.dumps(value).encode("utf-8")

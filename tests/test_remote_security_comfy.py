@@ -24,6 +24,7 @@ from comfy_host import ComfyServer, PromptValidationError, comfyui_unavailable_r
 from lingbot_core.remote import RemoteServer
 from lingbot_core.server_list import LOCAL
 from remote_server import Script, VideosServer, small_but_huge_mp4
+from test_memory_comfy import _ram_kib
 from test_nodes_comfy import load_workflow, saved_frames
 
 pytestmark = pytest.mark.comfy
@@ -182,14 +183,6 @@ def test_a_dripping_server_ends_at_the_timeout_and_cancel_ends_it_at_once(server
     next_prompt_matches_the_core_client(comfy, home)
 
 
-def _status(pid: int, field: str) -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
 @pytest.mark.parametrize("size, what", [((1920, 1080, 40), "1920x1080"), ((96, 64, 12000), "12,000 frames")])
 def test_small_but_huge_mp4s_are_refused_without_the_ram(servers, size, what, record_property):
     comfy, home, _ = servers
@@ -199,9 +192,9 @@ def test_small_but_huge_mp4s_are_refused_without_the_ram(servers, size, what, re
     home.scripts.append(Script(content=data))
     with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")  # VmHWM := VmRSS
-    before = _status(pid, "VmRSS")
+    before = _ram_kib("VmRSS", pid)
     err = execution_error(comfy.run(graph(), timeout=120, check=False))
-    rise = _status(pid, "VmHWM") - before
+    rise = _ram_kib("VmHWM", pid) - before
     record_property("peak_rss_rise_mib", round(rise / MIB, 1))
     print(f"\n{len(data):,}-byte mp4 of {size[0]}x{size[1]} x {size[2]} frames: refused, peak RSS rise {rise / MIB:.1f} MiB")
     assert what in err["exception_message"] and "5 frames of 96x64 were asked for" in err["exception_message"]
