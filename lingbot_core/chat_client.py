@@ -1,7 +1,8 @@
 """A minimal OpenAI-compatible chat-completions client (vLLM, SGLang, Ollama, LM Studio...).
 
-Only ``POST {base_url}/chat/completions`` with one user message is needed, so this is the standard
-library's urllib rather than another dependency. Answers are cached by request (see ``chat``).
+Only ``POST {base_url}/chat/completions`` with one user message is needed. HTTP goes through
+:mod:`http_transport` (one total deadline, Cancel within a fraction of a second, no redirect, a byte
+limit on the answer), as the remote Videos client's. Answers are cached by request (see ``chat``).
 """
 
 from __future__ import annotations
@@ -10,19 +11,19 @@ import base64
 import hashlib
 import io
 import json
-import os
-import socket
-import urllib.error
-import urllib.parse
-import urllib.request
+import time
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from PIL import Image
 
+from .http_transport import (CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url, check_key,
+                             exchange, loads_json)
+
 MAX_NEW_TOKENS = 6144  # the release's generation budget per step
 ANSWER_CACHE_SIZE = 64
+MAX_ANSWER_BYTES = 1 << 22  # 6k tokens of JSON are tens of kB
 _BODY_PREVIEW = 300
 
 # Bounded LRU of answers, keyed by URL + request body (never the API key): re-running a graph, or a
@@ -36,36 +37,25 @@ class ChatServerError(RuntimeError):
 
 @dataclass(frozen=True)
 class ChatServer:
-    """Where and how to reach the server. ``api_key_env`` names an environment variable (empty: no key)."""
+    """Where and how to reach the server. ``api_key`` is the key itself (hosts read it from the user's
+    server list; never in ``repr`` or a message), sent only to ``base_url``: over plain http only to
+    this machine unless ``allow_http``. ``timeout`` bounds each request; ``interrupt`` is called every
+    few tenths of a second while waiting, and raising from it stops the request (a host's Cancel)."""
 
     base_url: str
-    api_key_env: str = ""
+    api_key: Optional[str] = field(default=None, repr=False)
     timeout: float = 600.0
     disable_thinking: bool = True  # chat_template_kwargs.enable_thinking=false, as the release (Qwen3 family)
+    allow_http: bool = False
+    interrupt: Interrupt = field(default=None, repr=False, compare=False)
 
     def endpoint(self) -> str:
-        url = (self.base_url or "").strip()
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"base_url {url!r} is not an http(s) URL; use the server's OpenAI-compatible base, "
-                             "e.g. http://127.0.0.1:8000/v1 (vLLM) or http://127.0.0.1:11434/v1 (Ollama).")
+        if self.api_key:
+            check_key(self.api_key, where="api_key")
+        url = check_base_url(self.base_url, what="base_url", has_key=bool(self.api_key), allow_http=self.allow_http,
+                             example="; use the server's OpenAI-compatible base, e.g. http://127.0.0.1:8000/v1 (vLLM) "
+                                     "or http://127.0.0.1:11434/v1 (Ollama)")
         return url.rstrip("/") + "/chat/completions"
-
-    def api_key(self) -> Optional[str]:
-        return api_key_from_env(self.api_key_env)
-
-
-def api_key_from_env(name: Optional[str]) -> Optional[str]:
-    """The key held by the environment variable ``name`` (None for an empty name); the key itself is
-    never part of a workflow."""
-    name = (name or "").strip()
-    if not name:
-        return None
-    value = os.environ.get(name)
-    if not value:
-        raise ValueError(f"api_key_env names the environment variable {name!r}, which is not set. Set it "
-                         "before starting ComfyUI, or clear api_key_env for a server without a key.")
-    return value
 
 
 def image_data_url(image: Image.Image) -> str:
@@ -105,39 +95,34 @@ def chat(server: ChatServer, model: str, content: List[dict], *, temperature: fl
     url = server.endpoint()
     body = request_body(server, model.strip(), content, temperature=temperature, seed=seed, max_tokens=max_tokens)
     data = json.dumps(body, ensure_ascii=False).encode("utf-8")
-    api_key = server.api_key()
     key = hashlib.sha256(url.encode("utf-8") + b"\0" + data).hexdigest()
     if key in _answers:
         _answers.move_to_end(key)
         return _answers[key]
 
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=data, headers=headers, method="POST")
+    if server.api_key:
+        headers["Authorization"] = f"Bearer {server.api_key}"
     try:
-        with urllib.request.urlopen(request, timeout=server.timeout) as response:
-            raw = response.read()
-    except urllib.error.HTTPError as e:
-        detail = _preview(e.read() or b"")
-        hint = " (check that base_url ends with /v1)" if e.code == 404 else ""
-        raise ChatServerError(f"the chat server at {url} answered HTTP {e.code} for model {model!r}{hint}: "
-                              f"{detail}") from None
-    except (socket.timeout, TimeoutError):
+        status, _, raw = exchange("POST", url, deadline=time.monotonic() + float(server.timeout), limit=MAX_ANSWER_BYTES,
+                                  headers=headers, body=data, interrupt=server.interrupt)
+    except DeadlineExceeded:
         raise ChatServerError(f"the chat server at {url} did not answer within {server.timeout:g} s (model "
                               f"{model!r}); raise timeout, or check that the server is not stuck.") from None
-    except urllib.error.URLError as e:
-        if isinstance(e.reason, (socket.timeout, TimeoutError)):
-            raise ChatServerError(f"the chat server at {url} did not answer within {server.timeout:g} s (model "
-                                  f"{model!r}); raise timeout, or check that the server is not stuck.") from None
-        raise ChatServerError(f"cannot reach the chat server at {url} ({e.reason}); start the server, or fix "
-                              "base_url.") from None
-    except (ConnectionError, OSError) as e:  # e.g. the connection reset mid-answer
-        raise ChatServerError(f"the connection to the chat server at {url} failed ({e}); check the server.") from None
-
+    except CannotConnect as e:
+        raise ChatServerError(f"cannot reach the chat server at {url} ({e.reason}); start the server, or fix its "
+                              "address.") from None
+    except TransportError as e:
+        raise ChatServerError(f"the chat server (model {model!r}): {e}.") from None
+    if not 200 <= status < 300:
+        hint = " (check that base_url ends with /v1)" if status == 404 else ""
+        raise ChatServerError(f"the chat server at {url} answered HTTP {status} for model {model!r}{hint}: "
+                              f"{_preview(raw)}")
     try:
-        answer = json.loads(raw)
+        answer = loads_json(raw)
         text = answer["choices"][0]["message"]["content"]
+    except JSONTooDeep as e:
+        raise ChatServerError(f"the chat server at {url} answered {e} (model {model!r}); refused.") from None
     except (ValueError, KeyError, IndexError, TypeError):
         raise ChatServerError(f"the chat server at {url} did not send a chat completion (model {model!r}): "
                               f"{_preview(raw)}") from None

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import struct
 from pathlib import Path
 from typing import Dict
 
@@ -21,6 +20,17 @@ from .fp8 import checkpoint_scale, dequantize, is_fp8, scale_name
 
 MIB = 1024 ** 2
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+MAX_HEADER_BYTES = 100 * MIB  # a header lists tensors: even a 30B checkpoint's is a few MB
+
+
+def is_safetensors(path) -> bool:
+    """The one rule for what is a safetensors file by name: ``.safetensors`` in any case (ComfyUI lists
+    ``X.SAFETENSORS`` too, and Windows and macOS do not tell the cases apart)."""
+    return Path(path).suffix.lower() == ".safetensors"
+
+
+def is_pickle(path) -> bool:
+    return Path(path).suffix.lower() in PICKLE_SUFFIXES
 
 
 class ModelPackageError(ValueError):
@@ -48,7 +58,7 @@ def safetensors_files(folder: Path, component: str, stem: str) -> list:
             raise ModelPackageError(f"{component}: {index.name} is not a valid safetensors index ({e}).") from None
         files = sorted({folder / name for name in weight_map.values()})
         for f in files:
-            if f.suffix != ".safetensors" or f.parent != folder:
+            if not is_safetensors(f) or f.parent != folder:
                 raise ModelPackageError(f"{component}: the index names {f.name}, which is not a safetensors file in {folder}.")
             if not f.is_file():
                 raise ModelPackageError(f"{component}: shard {f.name} listed in {index.name} is missing from {folder}.")
@@ -56,10 +66,10 @@ def safetensors_files(folder: Path, component: str, stem: str) -> list:
     single = folder / f"{stem}.safetensors"
     if single.is_file():
         return [single]
-    found = sorted(p.name for p in folder.glob("*.safetensors"))
+    found = sorted(p.name for p in folder.iterdir() if is_safetensors(p) and p.is_file())
     if found:
         return [folder / n for n in found]
-    pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES)
+    pickles = sorted(p.name for p in folder.iterdir() if is_pickle(p))
     if pickles:
         raise ModelPackageError(
             f"{component}: {folder} holds only pickle weights ({', '.join(pickles)}); they are refused because loading "
@@ -68,15 +78,52 @@ def safetensors_files(folder: Path, component: str, stem: str) -> list:
     raise ModelPackageError(f"{component}: no .safetensors weights found in {folder}.")
 
 
-def safetensors_header(path) -> Dict[str, dict]:
-    """The tensor table of a safetensors file (reads only its JSON header)."""
+def _read_header(path: Path):
+    """``(size of the file, header length, {name: info})`` with every field checked: the tensor table
+    is a JSON object of objects with a known dtype, a shape that is a list of sizes and offsets that
+    match them. ModelPackageError names the file and what is wrong."""
+    name = path.name
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        if n > 100 * MIB:
-            raise ValueError(f"{path}: safetensors header of {n} bytes is not plausible.")
-        header = json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) != 8:
+            raise ModelPackageError(f"{name} is not a safetensors file (too short); download it again.")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise ModelPackageError(f"{name} has a header larger than the file; it may be truncated, download it again.")
+        if n > MAX_HEADER_BYTES:
+            raise ModelPackageError(f"{name} announces a safetensors header of {n:,} bytes, which no checkpoint has; "
+                                    "the file is not a valid safetensors file.")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        why = "it is nested too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise ModelPackageError(f"{name} has an invalid safetensors header ({why}); download it again.") from None
+    if not isinstance(header, dict):
+        raise ModelPackageError(f"{name}: the safetensors header is a JSON {type(header).__name__}, not an object "
+                                "of tensors; the file is not a valid safetensors file.")
     header.pop("__metadata__", None)
-    return header
+    for key, info in header.items():
+        def bad(what: str) -> ModelPackageError:
+            return ModelPackageError(f"{name}: tensor {key[:200]!r} {what} in the safetensors header; the file is "
+                                     "damaged or not a safetensors file, download it again.")
+
+        if not isinstance(info, dict):
+            raise bad(f"is described by a JSON {type(info).__name__}, not an object")
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if info.get("dtype") not in _SAFETENSORS_DTYPES:
+            raise bad(f"has unsupported dtype {str(info.get('dtype'))[:40]!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise bad(f"has shape {str(shape)[:60]!r}, not a list of sizes")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
+            raise bad(f"has data_offsets {str(offsets)[:60]!r}, not [begin, end]")
+    return size, n, header
+
+
+def safetensors_header(path) -> Dict[str, dict]:
+    """The tensor table of a safetensors file (reads only its JSON header, checked as the reader does)."""
+    return _read_header(Path(path))[2]
 
 
 def check_readable(path: Path, component: str) -> None:
@@ -107,29 +154,15 @@ class SafetensorsReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        size = self.path.stat().st_size
-        with open(self.path, "rb") as f:
-            head = f.read(8)
-            if len(head) != 8:
-                raise ModelPackageError(f"{self.path.name} is not a safetensors file (too short); download it again.")
-            n = int.from_bytes(head, "little")
-            if n > size - 8:
-                raise ModelPackageError(f"{self.path.name} has a header larger than the file; it may be truncated, download it again.")
-            try:
-                header = json.loads(f.read(n))
-            except ValueError as e:
-                raise ModelPackageError(f"{self.path.name} has an invalid safetensors header ({e}).") from None
-        header.pop("__metadata__", None)
+        size, n, header = _read_header(self.path)
         self._start = 8 + n
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._mapped = None
         self._entries = {}
         for key, info in header.items():
-            dtype = _SAFETENSORS_DTYPES.get(info.get("dtype"))
-            begin, end = info.get("data_offsets", (0, -1))
-            shape = info.get("shape")
-            if dtype is None or shape is None:
-                raise ModelPackageError(f"{self.path.name}: tensor {key!r} has unsupported dtype {info.get('dtype')!r}.")
+            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+            begin, end = info["data_offsets"]
+            shape = info["shape"]
             nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
             if not 0 <= begin <= end or end - begin != nbytes or self._start + end > size:
                 raise ModelPackageError(f"{self.path.name}: tensor {key!r} lies outside the file; it may be truncated, download it again.")

@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--expand_model", required=True, help="step 1: the base VLM's name on the server")
     r.add_argument("--map_model", required=True, help="step 2: the base VLM with the rewriter LoRA, as the server names it")
     r.add_argument("--api_key_env", default="", help="name of the environment variable holding the API key (none if empty)")
+    r.add_argument("--allow_http", action="store_true",
+                   help="send the key over plain http to another machine (only on a network you trust)")
     r.add_argument("--temperature", type=float, default=0.0)
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
@@ -107,8 +109,10 @@ def rewrite(args) -> int:
 
     from .chat_client import ChatServer
     from .rewriter import load_system_prompts, rewrite as run_rewrite, save_prompt_file
+    from .server_list import api_key_from_env
 
-    server = ChatServer(args.base_url, args.api_key_env, args.timeout, disable_thinking=not args.keep_thinking)
+    server = ChatServer(args.base_url, api_key_from_env(args.api_key_env, where="--api_key_env"), args.timeout,
+                        disable_thinking=not args.keep_thinking, allow_http=args.allow_http)
     image = Image.open(args.image).convert("RGB") if args.image else None
     result = run_rewrite(server, load_system_prompts(args.system_prompts), args.prompt, mode=args.mode,
                          duration=args.duration, image=image, expand_model=args.expand_model,

@@ -229,10 +229,10 @@ def _no_match_error(path: str, keys: Sequence[str]) -> LoraError:
 
 def _open(path: str):
     """A header-checked reader (offsets inside the file, known dtypes); nothing is executed."""
-    from .checkpoint_files import ModelPackageError, SafetensorsReader
+    from .checkpoint_files import ModelPackageError, SafetensorsReader, is_safetensors
 
     p = Path(path)
-    if p.suffix != ".safetensors":
+    if not is_safetensors(p):
         raise LoraError(f"LoRA {p.name}: only .safetensors LoRA files are loaded (pickle formats can run code).")
     if not p.is_file():
         raise LoraError(f"LoRA file {p} does not exist.")
@@ -473,9 +473,20 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
     touched = {m for lora in stack for m in lora.modules}
     report = ApplyReport()
     adapter_dtype = getattr(model, "compute_dtype", FP8_COMPUTE_DTYPE)
+
+    def refuse_non_finite(key: str, dtype: torch.dtype) -> LoraError:
+        # Finite factors can still overflow (1e30 x 1e30, alpha 3e38): a black video without this.
+        shown = describe_stack(tuple((lora.path, lora.strength) for lora in stack))
+        return LoraError(f"the LoRA stack {shown} makes {key} NaN or infinite in {str(dtype).replace('torch.', '')} "
+                         "(its factors or alpha are out of range, or the strength is too high); lower the strength or "
+                         "remove that LoRA. The other weights are restored when the stack changes.")
+
     for name, module in lora_targets(model).items():
         run_time = is_fp8(module.weight.dtype) or module.weight_qtype is not None
         entry = run_time_adapters(name, stack, adapter_dtype) if run_time and name in touched else {}
+        for param, t in entry.items():
+            if not torch.isfinite(t).all():
+                raise refuse_non_finite(f"{name}.{param}", t.dtype)
         device = module.weight.device
         for param in ADAPTER_PARAMS:
             t = entry.get(param)
@@ -501,7 +512,10 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
                 merged.discard(key)
                 report.restored += 1
             else:
-                param.data = (base.to(work).float() + delta).to(param.dtype).to(device)
+                value = (base.to(work).float() + delta).to(param.dtype)
+                if not torch.isfinite(value).all():
+                    raise refuse_non_finite(key, param.dtype)
+                param.data = value.to(device)
                 merged.add(key)
                 report.merged += 1
     return report

@@ -356,7 +356,15 @@ class LingbotPipeline:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
             if cache is not None:
                 logger.info("%s.", cache.summary())
-            return x.to("cpu")
+            x = x.to("cpu")
+        if not torch.isfinite(x).all():
+            # Otherwise a black video and no error: overflowing LoRA factors are the usual cause.
+            lora = f" with the LoRA stack {describe_stack(self._loras)}" if self._loras else ""
+            raise FloatingPointError(
+                f"sampling produced NaN or infinite values{lora}; no frames were decoded. "
+                + ("Lower the LoRA strengths, or remove the LoRA whose factors or alpha are out of range."
+                   if self._loras else "Check the model package (download it again) and the inputs."))
+        return x
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, tiling: bool = False, tile_size: Tuple[int, int] = REFINER_TILE,

@@ -7,21 +7,18 @@ runs under one deadline (``timeout``): a server that is down, stuck or slow rais
 hanging the caller. A job the caller abandons (its callback raised, or the deadline passed) is
 deleted on the server: vLLM-Omni cancels it, SGLang only forgets it (the render runs on).
 
-Standard library HTTP only (urllib), as the chat client.
+HTTP goes through :mod:`http_transport`, as the chat client's: the deadline holds for every byte, no
+redirect is followed, and the key goes only to ``base_url``. The mp4's header is checked against the
+request before a frame is decoded (:func:`video_io.read_mp4`).
 """
 
 from __future__ import annotations
 
-import http.client
 import io
-import json
 import logging
 import math
-import socket
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
@@ -30,23 +27,31 @@ import numpy as np
 import torch
 
 from .chat_client import _preview
+from .http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url,
+                             check_key, loads_json, open_answer)
 from .latents import check_video_size, preprocess_first_frame
+from .memory import trim_heap
 from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
 from .scheduling import shifted_sigmas
 from .text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
+from .video_io import VideoMismatch, read_mp4
 
 logger = logging.getLogger("lingbot_core")
 
 # A 121-frame 1080p H.264 render is tens of MB; anything near this is not a video of ours.
 DEFAULT_MAX_VIDEO_BYTES = 1 << 30
 MIN_POLL_SECONDS, MAX_POLL_SECONDS = 0.05, 60.0
-CANCEL_TIMEOUT = 10.0  # seconds a cancel may take, even after the deadline
-_CHUNK = 1 << 20
+# Seconds the DELETE of an abandoned job may take, even after the deadline: a Cancel in ComfyUI must
+# free the worker within about a second, and a timed-out job end soon after its timeout.
+CANCEL_SECONDS = 1.5
+MAX_JSON_BYTES = 1 << 22  # a job object or an error is a few kB
+VIDEO_BYTES_MARGIN = 1 << 24  # an mp4 is far smaller than its raw frames; a lossless one about as large
 DONE, FAILED = "completed", "failed"
 RUNNING = ("queued", "in_progress", "processing", "pending", "running")
 
 # ``callback(progress, total)``: ``progress`` of ``total`` (100) after every poll. Raising from it (e.g.
-# ComfyUI's interrupt) cancels the job on the server and re-raises.
+# ComfyUI's interrupt) cancels the job on the server and re-raises. ``interrupt()`` is called every
+# few tenths of a second while waiting (in a read, a sleep): raising from it does the same.
 ProgressCallback = Callable[[float, int], None]
 
 
@@ -94,7 +99,7 @@ def _server_message(raw: bytes) -> str:
     """The human part of an error answer: OpenAI/vLLM ``{"error": {"code", "message"}}``, SGLang
     ``{"error": {"message"}}``, a failed job's ``error``, FastAPI ``{"detail": ...}``, else the text."""
     try:
-        body = json.loads(raw)
+        body = loads_json(raw)
     except ValueError:
         return _preview(raw)
     if isinstance(body, dict):
@@ -114,10 +119,12 @@ def _server_message(raw: bytes) -> str:
     return _preview(raw)
 
 
-def _job_body(raw: bytes) -> Optional[dict]:
+def _job_body(raw: bytes, url: str, job_id: Optional[str]) -> Optional[dict]:
     """A video object, when ``raw`` is one (vLLM-Omni sends the job with a non-200 status for a failed job)."""
     try:
-        body = json.loads(raw)
+        body = loads_json(raw)
+    except JSONTooDeep as e:
+        raise RemoteServerError(f"{url} answered {e}; refused.", url=url, job_id=job_id) from None
     except ValueError:
         return None
     if isinstance(body, dict) and isinstance(body.get("status"), str) and ("id" in body or body.get("object") == "video"):
@@ -142,21 +149,6 @@ def encode_multipart(fields: List[Tuple[str, str]], files: List[Tuple[str, str, 
     return out.getvalue(), f"multipart/form-data; boundary={boundary}"
 
 
-def decode_mp4(data: bytes) -> np.ndarray:
-    """Every frame of the first video stream as (T, H, W, 3) float32 in [0, 1] (``uint8 / 255``)."""
-    import av
-
-    frames = []
-    with av.open(io.BytesIO(data), mode="r") as container:
-        if not container.streams.video:
-            raise ValueError("the file has no video stream")
-        for frame in container.decode(video=0):
-            frames.append(frame.to_ndarray(format="rgb24"))
-    if not frames:
-        raise ValueError("the video stream has no frames")
-    return np.stack(frames).astype(np.float32) / np.float32(255.0)
-
-
 def _png(pixels) -> bytes:
     """(1, 3, 1, H, W) float in [0, 1] (already uint8 values) -> PNG bytes."""
     from PIL import Image
@@ -176,18 +168,17 @@ class RemoteServer:
 
     ``base_url`` is the server's root (``http://host:30000`` for SGLang, ``http://host:8091`` for
     vLLM-Omni; a trailing ``/v1`` is accepted). ``model`` is the served name (vLLM-Omni refuses
-    another). ``api_key`` is the key itself (hosts read it from an environment variable; it is never
-    part of ``repr``). ``timeout`` bounds a whole job, from submit to the last byte of the mp4;
-    ``poll_seconds`` is the interval between status requests.
+    another). ``api_key`` is the key itself (hosts read it from the user's server list; it is never
+    part of ``repr`` or of a message) and is sent only to ``base_url``: over plain http only to this
+    machine, unless ``allow_http``. ``timeout`` bounds a whole job, from submit to the last byte of
+    the mp4; ``poll_seconds`` is the interval between status requests.
     """
 
     def __init__(self, base_url: str, model: str, api_key: Optional[str] = None, timeout: float = 600,
-                 poll_seconds: float = 2, *, max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES):
-        url = (base_url or "").strip().rstrip("/")
-        parts = urllib.parse.urlsplit(url)
-        if parts.scheme not in ("http", "https") or not parts.netloc or parts.query or parts.fragment:
-            raise ValueError(f"base_url {base_url!r} is not an http(s) server address; use the server's root, "
-                             "e.g. http://127.0.0.1:30000 (SGLang) or http://127.0.0.1:8091 (vLLM-Omni).")
+                 poll_seconds: float = 2, *, max_video_bytes: int = DEFAULT_MAX_VIDEO_BYTES, allow_http: bool = False):
+        url = check_base_url(base_url, what="base_url", has_key=bool(api_key), allow_http=allow_http,
+                             example="; use the server's root, e.g. http://127.0.0.1:30000 (SGLang) or "
+                                     "http://127.0.0.1:8091 (vLLM-Omni)").rstrip("/")
         if url.endswith("/v1"):
             url = url[: -len("/v1")]
         if not isinstance(model, str) or not model.strip():
@@ -200,7 +191,7 @@ class RemoteServer:
             raise ValueError(f"poll_seconds={poll_seconds} is not allowed: use {MIN_POLL_SECONDS} to {MAX_POLL_SECONDS:g} s.")
         self.base_url = url
         self.model = model.strip()
-        self._api_key = api_key or None
+        self._api_key = check_key(api_key, where="api_key") if api_key else None
         self.timeout = timeout
         self.poll_seconds = poll_seconds
         self.max_video_bytes = int(max_video_bytes)
@@ -213,36 +204,38 @@ class RemoteServer:
 
     def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int, height: int,
                  num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int, fps: int,
-                 callback: Optional[ProgressCallback] = None) -> np.ndarray:
+                 callback: Optional[ProgressCallback] = None, interrupt: Interrupt = None) -> np.ndarray:
         """Render on the server; returns frames (T, H, W, 3) float32 in [0, 1] (see :meth:`run`)."""
         return self.run(prompt, negative_prompt=negative_prompt, image=image, width=width, height=height,
                         num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
-                        fps=fps, callback=callback).frames
+                        fps=fps, callback=callback, interrupt=interrupt).frames
 
     def run(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int, height: int,
             num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int, fps: int,
-            callback: Optional[ProgressCallback] = None, use_caption_duration: bool = False) -> RemoteVideo:
+            callback: Optional[ProgressCallback] = None, use_caption_duration: bool = False,
+            interrupt: Interrupt = None) -> RemoteVideo:
         """Submit, wait and download; returns the frames, the mp4 bytes and the final job.
 
         The inputs are checked with the local pipeline's rules before anything is sent. ``negative_prompt``
         None sends the model's default negative (the servers' defaults may differ). ``image`` (the TI2V
         first frame, any size) is scaled to cover and centre-cropped to ``width x height`` exactly as for
         local generation, and sent as the ``input_reference`` PNG. With ``use_caption_duration`` a JSON
-        caption's ``duration`` sets ``num_frames`` (the local rule).
+        caption's ``duration`` sets ``num_frames`` (the local rule). ``interrupt`` (see ProgressCallback)
+        is how a host's Cancel stops a read or a wait within a fraction of a second.
         """
         fields, files = self.request_fields(prompt, negative_prompt=negative_prompt, image=image, width=width,
                                             height=height, num_frames=num_frames, steps=steps,
                                             guidance_scale=guidance_scale, shift=shift, seed=seed, fps=fps,
                                             use_caption_duration=use_caption_duration)
-        expected = (int(dict(fields)["num_frames"]), height, width)
+        frames_asked = int(dict(fields)["num_frames"])
         start = time.monotonic()
         deadline = start + self.timeout
         body, content_type = encode_multipart(fields, files)
-        job = self._submit(body, content_type, deadline)
+        job = self._submit(body, content_type, deadline, interrupt)
         job_id = str(job["id"])
         seen = {"in_progress": job.get("status") == "in_progress"}
         try:
-            job = self._wait(job, deadline, callback, seen)
+            job = self._wait(job, deadline, callback, seen, interrupt)
         except RemoteJobFailed:
             raise
         except BaseException as e:  # interrupt, deadline, lost connection: do not leave the job running
@@ -250,22 +243,24 @@ class RemoteServer:
             if isinstance(e, RemoteServerError):
                 e.args = (e.args[0] + f" The job was deleted on the server ({note}).",)
             raise
-        mp4 = self._download(job_id, deadline)
+        mp4 = self._download(job_id, deadline, frames_asked * height * width * 3 + VIDEO_BYTES_MARGIN, interrupt)
+        url = self._url(f"/v1/videos/{job_id}/content")
         try:
-            frames = decode_mp4(mp4)
+            frames = read_mp4(mp4, frames=frames_asked, height=height, width=width)
+        except VideoMismatch as e:
+            trim_heap()  # the decoder's buffers are freed; give their pages back
+            raise RemoteServerError(
+                f"job {job_id} on {self.base_url} sent {e}; refused before decoding it. The server may not honour "
+                "num_frames/width/height (check its version and model).", url=url, status=200, job_id=job_id) from None
         except Exception as e:  # av.error.InvalidDataError and friends
-            url = self._url(f"/v1/videos/{job_id}/content")
+            trim_heap()
             raise RemoteServerError(
                 f"the video of job {job_id} from {url} is not a readable mp4 ({type(e).__name__}: {_preview(str(e))}); "
                 f"{len(mp4):,} bytes arrived. The file may be truncated: check the server's disk and logs, then queue again.",
                 url=url, status=200, job_id=job_id, server_message=_preview(str(e))) from None
-        got = (frames.shape[0], frames.shape[1], frames.shape[2])
-        if got != expected:
-            raise RemoteServerError(
-                f"job {job_id} on {self.base_url} sent {got[0]} frames of {got[2]}x{got[1]} but {expected[0]} frames of "
-                f"{expected[2]}x{expected[1]} were asked for; the server may not honour num_frames/width/height "
-                "(check its version and model).", url=self.base_url, status=200, job_id=job_id)
-        return RemoteVideo(frames, mp4, job, self.base_url, time.monotonic() - start)
+        out = frames.astype(np.float32)
+        out /= np.float32(255.0)
+        return RemoteVideo(out, mp4, job, self.base_url, time.monotonic() - start)
 
     def request_fields(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int,
                        height: int, num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int,
@@ -299,61 +294,44 @@ class RemoteServer:
     def _url(self, path: str) -> str:
         return self.base_url + path
 
-    def _request(self, method: str, path: str, deadline: float, *, data: Optional[bytes] = None,
-                 headers: Optional[dict] = None, job_id: Optional[str] = None, minimum: float = 0.0):
-        """``(status, headers, response)``: ``response`` is open (the caller reads and closes it). Non-2xx
-        answers are returned, not raised; connection failures and timeouts raise RemoteServerError."""
+    def _open(self, method: str, path: str, deadline: float, *, data: Optional[bytes] = None,
+              headers: Optional[dict] = None, job_id: Optional[str] = None, interrupt: Interrupt = None):
+        """The open answer (status and headers read; the caller reads the body with :meth:`_read`).
+        Non-2xx answers are returned, not raised; anything else that goes wrong raises RemoteServerError."""
         url = self._url(path)
-        remaining = max(deadline - time.monotonic(), minimum)
-        if remaining <= 0:
-            raise self._timed_out(url, job_id)
         all_headers = {"Accept": "application/json"}
         if self._api_key:
             all_headers["Authorization"] = f"Bearer {self._api_key}"
         all_headers.update(headers or {})
-        request = urllib.request.Request(url, data=data, headers=all_headers, method=method)
         try:
-            response = urllib.request.urlopen(request, timeout=remaining)
-            return response.status, response.headers, response
-        except urllib.error.HTTPError as e:
-            return e.code, e.headers, e
-        except (socket.timeout, TimeoutError):
-            raise self._timed_out(url, job_id) from None
-        except urllib.error.URLError as e:
-            if isinstance(e.reason, (socket.timeout, TimeoutError)):
-                raise self._timed_out(url, job_id) from None
-            raise RemoteServerError(f"cannot reach the video server at {url} ({e.reason}); start the server "
-                                    "(see README: Rendering on a GPU server), or fix base_url.",
-                                    url=url, job_id=job_id, server_message=str(e.reason)) from None
-        except (ConnectionError, OSError) as e:
-            raise RemoteServerError(f"the connection to the video server at {url} failed ({e}); check the server.",
-                                    url=url, job_id=job_id, server_message=str(e)) from None
+            return open_answer(method, url, deadline=deadline, headers=all_headers, body=data, interrupt=interrupt)
+        except TransportError as e:
+            raise self._transport_error(e, url, job_id) from None
 
-    def _read(self, response, url: str, deadline: float, job_id: Optional[str], limit: int = 1 << 22) -> bytes:
-        chunks, total = [], 0
+    def _read(self, answer, url: str, job_id: Optional[str], limit: int = MAX_JSON_BYTES) -> bytes:
         try:
-            with response:
-                while True:
-                    if time.monotonic() > deadline:
-                        raise self._timed_out(url, job_id)
-                    chunk = response.read(min(_CHUNK, limit + 1 - total))
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    total += len(chunk)
-                    if total > limit:
-                        raise RemoteServerError(
-                            f"the answer of {url} (job {job_id}) is larger than {limit:,} bytes; refused. If the video "
-                            "really is that large, render fewer frames or a smaller size.", url=url,
-                            status=getattr(response, "status", None), job_id=job_id)
-        except (socket.timeout, TimeoutError):
-            raise self._timed_out(url, job_id) from None
-        except (ConnectionError, OSError, http.client.HTTPException) as e:
-            raise RemoteServerError(
-                f"the answer of {url} (job {job_id}) broke off after {total:,} bytes ({type(e).__name__}: {e}); the "
-                "server or the network dropped the connection. Queue again.", url=url, job_id=job_id,
-                server_message=_preview(str(e))) from None
-        return b"".join(chunks)
+            return answer.read(limit)
+        except TransportError as e:
+            raise self._transport_error(e, url, job_id) from None
+
+    def _transport_error(self, e: TransportError, url: str, job_id: Optional[str]) -> RemoteServerError:
+        job = f" (job {job_id})" if job_id else ""
+        if isinstance(e, DeadlineExceeded):
+            return self._timed_out(url, job_id)
+        if isinstance(e, AnswerTooLarge):
+            return RemoteServerError(f"{e}{job}. If a video really is that large, render fewer frames or a smaller size.",
+                                     url=url, status=e.status, job_id=job_id)
+        if isinstance(e, CannotConnect):
+            return RemoteServerError(f"cannot reach the video server at {url} ({e.reason}){job}; start the server (see "
+                                     "README: Rendering on a GPU server), or fix its address.", url=url, job_id=job_id,
+                                     server_message=e.reason)
+        return RemoteServerError(f"the video server: {e}{job}.", url=url, status=e.status, job_id=job_id,
+                                 server_message=_preview(str(e)))
+
+    def _exchange(self, method: str, path: str, deadline: float, *, job_id: Optional[str] = None,
+                  interrupt: Interrupt = None, **kw):
+        answer = self._open(method, path, deadline, job_id=job_id, interrupt=interrupt, **kw)
+        return answer.status, self._read(answer, self._url(path), job_id)
 
     def _timed_out(self, url: str, job_id: Optional[str]) -> RemoteTimeoutError:
         what = f"job {job_id}" if job_id else "the request"
@@ -368,15 +346,14 @@ class RemoteServer:
         return RemoteServerError(f"{what}: {url} answered HTTP {status}{job}: {message}{hint}",
                                  url=url, status=status, job_id=job_id, server_message=message)
 
-    def _submit(self, body: bytes, content_type: str, deadline: float) -> dict:
+    def _submit(self, body: bytes, content_type: str, deadline: float, interrupt: Interrupt) -> dict:
         url = self._url("/v1/videos")
-        status, _, response = self._request("POST", "/v1/videos", deadline, data=body,
-                                            headers={"Content-Type": content_type})
-        raw = self._read(response, url, deadline, None)
+        status, raw = self._exchange("POST", "/v1/videos", deadline, data=body, headers={"Content-Type": content_type},
+                                     interrupt=interrupt)
         if not 200 <= status < 300:
             hint = " (is base_url the video server, and does it serve LingBot-Video?)" if status == 404 else ""
             raise self._error("the video server refused the job", url, status, raw, None, hint)
-        job = _job_body(raw)
+        job = _job_body(raw, url, None)
         if job is None or not str(job.get("id", "")):
             raise RemoteServerError(f"{url} answered HTTP {status} without a video job: {_preview(raw)}",
                                     url=url, status=status, server_message=_preview(raw))
@@ -396,7 +373,15 @@ class RemoteServer:
                                  f"status 'failed': {message}", url=url, status=status, job_id=str(job.get("id")),
                                  server_message=message)
 
-    def _wait(self, job: dict, deadline: float, callback: Optional[ProgressCallback], seen: dict) -> dict:
+    def _sleep(self, seconds: float, interrupt: Interrupt) -> None:
+        end = time.monotonic() + seconds
+        while (left := end - time.monotonic()) > 0:
+            if interrupt is not None:
+                interrupt()
+            time.sleep(min(left, SLICE))
+
+    def _wait(self, job: dict, deadline: float, callback: Optional[ProgressCallback], seen: dict,
+              interrupt: Interrupt) -> dict:
         job_id = str(job["id"])
         path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}"
         url = self._url(path)
@@ -411,16 +396,15 @@ class RemoteServer:
             if status == FAILED:
                 raise self._failed(url, 200, job)
             if status not in RUNNING:
-                raise RemoteServerError(f"{url} reports job {job_id} with status {status!r}, which is neither queued, "
-                                        "in progress, completed nor failed.", url=url, status=200, job_id=job_id,
-                                        server_message=_preview(json.dumps(job)))
+                raise RemoteServerError(f"{url} reports job {job_id} with status {_preview(repr(status))}, which is "
+                                        "neither queued, in progress, completed nor failed.", url=url, status=200,
+                                        job_id=job_id, server_message=_preview(repr(job)))
             pause = min(self.poll_seconds, deadline - time.monotonic())
             if pause <= 0:
                 raise self._timed_out(url, job_id)
-            time.sleep(pause)
-            code, _, response = self._request("GET", path, deadline, job_id=job_id)
-            raw = self._read(response, url, deadline, job_id)
-            polled = _job_body(raw)
+            self._sleep(pause, interrupt)
+            code, raw = self._exchange("GET", path, deadline, job_id=job_id, interrupt=interrupt)
+            polled = _job_body(raw, url, job_id)
             if polled is None or not 200 <= code < 300:
                 if polled is not None and polled.get("status") in (FAILED, DONE, *RUNNING):
                     # vLLM-Omni answers a failed job with a non-200 status and the job body.
@@ -430,33 +414,35 @@ class RemoteServer:
             job = polled
             seen["in_progress"] = seen["in_progress"] or job.get("status") == "in_progress"
 
-    def _download(self, job_id: str, deadline: float) -> bytes:
+    def _download(self, job_id: str, deadline: float, limit: int, interrupt: Interrupt) -> bytes:
+        """The mp4, at most ``min(limit, max_video_bytes)`` bytes (``limit``: the asked frames' raw size
+        and a margin: no honest mp4 of them is larger)."""
         path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}/content"
         url = self._url(path)
-        status, headers, response = self._request("GET", path, deadline, job_id=job_id,
-                                                  headers={"Accept": "video/mp4"})
-        if not 200 <= status < 300:
-            raw = self._read(response, url, deadline, job_id)
-            raise self._error(f"could not download the video of job {job_id}", url, status, raw, job_id)
-        content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        if content_type != "video/mp4":
-            response.close()
-            raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {content_type or 'none'!r}, not video/mp4; "
-                                    "is base_url a LingBot-Video server?", url=url, status=status, job_id=job_id,
-                                    server_message=content_type)
-        length = headers.get("Content-Length")
-        if length is not None and length.isdigit() and int(length) > self.max_video_bytes:
-            response.close()
-            raise RemoteServerError(f"{url} (job {job_id}) announced {int(length):,} bytes of video, more than the limit "
-                                    f"of {self.max_video_bytes:,}; refused.", url=url, status=status, job_id=job_id)
-        data = self._read(response, url, deadline, job_id, limit=self.max_video_bytes)
+        limit = min(limit, self.max_video_bytes)
+        answer = self._open("GET", path, deadline, job_id=job_id, headers={"Accept": "video/mp4"}, interrupt=interrupt)
+        with answer:
+            status, headers = answer.status, answer.headers
+            if not 200 <= status < 300:
+                raw = self._read(answer, url, job_id)
+                raise self._error(f"could not download the video of job {job_id}", url, status, raw, job_id)
+            content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
+            if content_type != "video/mp4":
+                raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {_preview(content_type) or 'none'!r}, "
+                                        "not video/mp4; is base_url a LingBot-Video server?", url=url, status=status,
+                                        job_id=job_id, server_message=_preview(content_type))
+            length = headers.get("Content-Length")
+            if length is not None and length.isdigit() and int(length) > limit:
+                raise RemoteServerError(f"{url} (job {job_id}) announced {int(length):,} bytes of video, more than the "
+                                        f"limit of {limit:,}; refused.", url=url, status=status, job_id=job_id)
+            data = self._read(answer, url, job_id, limit=limit)
         if length is not None and length.isdigit() and len(data) != int(length):
             raise RemoteServerError(f"the video of job {job_id} from {url} is truncated: {len(data):,} of {int(length):,} "
                                     "bytes arrived. Queue again.", url=url, status=status, job_id=job_id)
         return data
 
-    def cancel(self, job_id: str, *, saw_progress: bool = False) -> str:
-        """Delete the job on the server (never raises); returns and logs what happened.
+    def cancel(self, job_id: str, *, saw_progress: bool = False, seconds: float = CANCEL_SECONDS) -> str:
+        """Delete the job on the server within ``seconds`` (never raises); returns and logs what happened.
 
         vLLM-Omni stops a deleted job; SGLang only removes its record and the render runs to its end, so
         its GPU stays busy. The API does not say which one answered: a server that reported
@@ -464,9 +450,7 @@ class RemoteServer:
         path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}"
         url = self._url(path)
         try:
-            status, _, response = self._request("DELETE", path, time.monotonic() + CANCEL_TIMEOUT, job_id=job_id,
-                                                minimum=CANCEL_TIMEOUT)
-            raw = self._read(response, url, time.monotonic() + CANCEL_TIMEOUT, job_id)
+            status, raw = self._exchange("DELETE", path, time.monotonic() + seconds, job_id=job_id)
         except RemoteServerError as e:
             note = f"could not delete job {job_id} at {url}: {e}"
             logger.warning("LingBot-Video remote: %s", note)

@@ -1,11 +1,79 @@
-"""Writing frames to mp4 / png and a contact sheet (CLI and demo only; ComfyUI has its own savers)."""
+"""Video files: reading a server's mp4 (checked before it is decoded), and writing frames to mp4 /
+png and a contact sheet (CLI and demo only; ComfyUI has its own savers)."""
 
 from __future__ import annotations
 
+import io
+import math
+from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
+
+# A server that rounds the frame count, or a container whose header counts approximately, may be a
+# few frames off; more than this is another video, refused before it is decoded.
+FRAME_SLACK = 4
+
+
+class VideoMismatch(ValueError):
+    """The mp4 is not the video that was asked for (size or length); nothing was decoded beyond the proof."""
+
+
+@dataclass(frozen=True)
+class StreamInfo:
+    """What the container's header says of its first video stream (``frames`` None when it does not say)."""
+
+    width: int
+    height: int
+    frames: Optional[int]
+    duration_s: Optional[float]
+    fps: Optional[float]
+
+
+def _stream_info(stream) -> StreamInfo:
+    rate = stream.average_rate or stream.guessed_rate
+    fps = float(rate) if rate else None
+    duration = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else None
+    frames = int(stream.frames) if stream.frames else None
+    if frames is None and duration is not None and fps:
+        frames = int(math.ceil(duration * fps - 1e-6))
+    return StreamInfo(int(stream.codec_context.width), int(stream.codec_context.height), frames, duration, fps)
+
+
+def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray:
+    """The first video stream as (frames, height, width, 3) uint8, refused (VideoMismatch) when its
+    header or its frames show another size or length: the header is checked before any frame is
+    decoded, then frames are decoded one at a time into an array allocated for the request."""
+    import av
+
+    asked = f"{frames} frames of {width}x{height}"
+    with av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise ValueError("the file has no video stream")
+        stream = container.streams.video[0]
+        info = _stream_info(stream)
+        if (info.width, info.height) != (width, height):
+            raise VideoMismatch(f"a video of {info.width}x{info.height} (its header) but {asked} were asked for")
+        if info.frames is not None and abs(info.frames - frames) > FRAME_SLACK:
+            raise VideoMismatch(f"{info.frames:,} frames (its header) but {asked} were asked for")
+        out = np.empty((frames, height, width, 3), dtype=np.uint8)
+        count = 0
+        for frame in container.decode(stream):
+            if (frame.width, frame.height) != (width, height):
+                raise VideoMismatch(f"a frame of {frame.width}x{frame.height} but {asked} were asked for")
+            if count < frames:
+                out[count] = frame.to_ndarray(format="rgb24")
+            count += 1
+            if count > frames + FRAME_SLACK:
+                raise VideoMismatch(f"more than {frames + FRAME_SLACK} frames (its header said "
+                                    f"{info.frames if info.frames is not None else 'nothing'}) but {asked} were asked for")
+    if count == 0:
+        raise ValueError("the video stream has no frames")
+    if count != frames:
+        raise VideoMismatch(f"{count} frames of {width}x{height} but {asked} were asked for")
+    return out
 
 
 def to_uint8(frames) -> np.ndarray:

@@ -12,6 +12,8 @@ from typing import Dict, List
 
 import folder_paths
 
+from ..lingbot_core.checkpoint_files import is_safetensors
+
 FOLDER_KEY = "lingbot_video"
 MAX_DEPTH = 3  # how deep below a models folder a package may sit (e.g. "org/name")
 
@@ -90,7 +92,7 @@ def list_loras() -> List[str]:
         names = folder_paths.get_filename_list(LORA_FOLDER_KEY)
     except KeyError:
         return []
-    return sorted(n for n in names if n.lower().endswith(".safetensors"))
+    return sorted(n for n in names if is_safetensors(n))
 
 
 def lora_choices() -> List[str]:

@@ -12,6 +12,7 @@ import logging
 import os
 from typing import Dict
 
+import comfy.model_management
 import folder_paths
 import numpy as np
 from PIL import Image
@@ -19,6 +20,7 @@ from PIL import Image
 from ..lingbot_core.chat_client import ChatServer
 from ..lingbot_core.negative_prompts import auto_negative, default_negative_terms, edit_negative, serialize_negative
 from ..lingbot_core.rewriter import MODES, PROMPT_NAMES, load_system_prompts, rewrite
+from .server_list import check_server, endpoint, list_version, server_input
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -68,7 +70,8 @@ class LingbotRewriterServer:
     DESCRIPTION = (
         "Where the prompt rewriter runs: an OpenAI-compatible chat server (vLLM, SGLang, Ollama, LM Studio) "
         "serving the base VLM and, under its own model name, the base VLM with the rewriter LoRA. "
-        "The API key is read from the environment variable you name; it is never saved in the workflow."
+        "Servers on other machines, and their keys, come from your server list (lingbot_servers.json in "
+        "ComfyUI's user directory), so a shared workflow cannot choose where your prompts and keys go."
     )
     CATEGORY = "LingBot-Video"
     FUNCTION = "configure"
@@ -78,38 +81,46 @@ class LingbotRewriterServer:
 
     @classmethod
     def INPUT_TYPES(cls):
+        # The order keeps workflows saved before the server list loading (widget values are positional):
+        # ``server`` sits where ``api_key_env`` was.
         return {
             "required": {
                 "base_url": ("STRING", {"default": "http://127.0.0.1:8000/v1",
-                             "tooltip": "The server's OpenAI-compatible base URL, ending in /v1 (vLLM/SGLang :8000, Ollama :11434, LM Studio :1234)."}),
+                             "tooltip": "Used only when server is '(this machine: ...)': a server on this machine (127.0.0.1, ::1, localhost), its OpenAI-compatible base URL ending in /v1 (vLLM/SGLang :8000, Ollama :11434, LM Studio :1234); never sent a key."}),
                 "expand_model": ("STRING", {"default": "Qwen/Qwen3.6-27B",
                                  "tooltip": "Step 1 (EXPAND): the base VLM's model name on the server, with no adapter. A stronger VLM may be used here."}),
                 "map_model": ("STRING", {"default": "lingbot-video-rewriter",
                               "tooltip": "Step 2 (MAP): the base VLM with the rewriter LoRA, under the name the server gives it (e.g. vLLM --lora-modules NAME=PATH)."}),
                 "system_prompts": (sorted(list_system_prompts()) or [NO_PROMPTS],
                                    {"tooltip": "The release's rewriter system prompts, from models/lingbot_rewriter: its prompt module (.py, read as data, never run) or a folder with it and/or VIDEO_STEP1_EXPAND.txt-style files."}),
-                "api_key_env": ("STRING", {"default": "",
-                                "tooltip": "NAME of the environment variable that holds the API key (e.g. OPENAI_API_KEY); empty for a local server without a key. The key itself is never stored."}),
-                "timeout": ("INT", {"default": 600, "min": 1, "max": 7200, "tooltip": "Seconds to wait for each answer (a 27B model writing 6k tokens can take minutes)."}),
+                "server": server_input("chat", "chat server"),
+                "timeout": ("INT", {"default": 600, "min": 1, "max": 7200, "tooltip": "Seconds each answer may take, every byte included (a 27B model writing 6k tokens can take minutes)."}),
                 "disable_thinking": ("BOOLEAN", {"default": True,
                                      "tooltip": "Send chat_template_kwargs.enable_thinking=false, as the release (Qwen3-family servers). Turn off for a server that rejects unknown fields."}),
             }
         }
 
     @classmethod
+    def VALIDATE_INPUTS(cls, server, base_url):
+        return check_server(server, base_url, "chat")
+
+    @classmethod
     def IS_CHANGED(cls, system_prompts, **_):
-        # The prompt file may be edited on disk; anything else is in the inputs.
+        # The prompt file and the server list may be edited on disk; anything else is in the inputs.
         listed = list_system_prompts()
         path = listed.get(system_prompts)
         if path is None:
             return float("nan")
         files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))]
-        return tuple(os.path.getmtime(f) for f in files)
+        return tuple(os.path.getmtime(f) for f in files) + (list_version(),)
 
-    def configure(self, base_url, expand_model, map_model, system_prompts, api_key_env, timeout, disable_thinking):
-        server = ChatServer(base_url, api_key_env, float(timeout), bool(disable_thinking))
-        server.endpoint()  # a malformed URL or a missing key is reported here, on this node
-        server.api_key()
+    def configure(self, base_url, expand_model, map_model, system_prompts, server, timeout, disable_thinking):
+        # The server list, a URL that is not on this machine, or a missing key are reported here, on this node.
+        chosen = endpoint(server, base_url, "chat")
+        server = ChatServer(chosen.base_url, chosen.api_key, float(timeout), bool(disable_thinking),
+                            allow_http=chosen.allow_http,
+                            interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
+        server.endpoint()
         return ({"server": server, "expand_model": expand_model, "map_model": map_model,
                  "prompts": load_system_prompts(_system_prompt_path(system_prompts))},)
 

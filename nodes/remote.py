@@ -9,10 +9,10 @@ import comfy.model_management
 import comfy.utils
 import torch
 
-from ..lingbot_core.chat_client import api_key_from_env
 from ..lingbot_core.remote import MAX_POLL_SECONDS, MIN_POLL_SECONDS, RemoteServer
 from ..lingbot_core.text_conditioning import negative_from_widget
 from .sampling import GenerateVideo
+from .server_list import check_server, endpoint, list_version, server_input
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -37,7 +37,7 @@ def video_output(mp4: bytes):
 
 def remote_progress(node_id):
     """``callback(progress, total)`` for the client: the node's bar, and ComfyUI's cancel (the client
-    deletes the remote job when this raises)."""
+    deletes the remote job when this raises; between polls the client's ``interrupt`` hook does)."""
     bar = comfy.utils.ProgressBar(100, node_id=node_id)
 
     def callback(progress: float, total: int):
@@ -50,8 +50,9 @@ def remote_progress(node_id):
 class LingbotRemoteServer:
     DESCRIPTION = (
         "A GPU server that renders LingBot-Video over the OpenAI-style Videos API: SGLang Diffusion "
-        "(sglang serve, port 30000) or vLLM-Omni (vllm serve --omni, port 8091). The API key is read from the "
-        "environment variable you name; it is never saved in the workflow."
+        "(sglang serve, port 30000) or vLLM-Omni (vllm serve --omni, port 8091). Servers on other machines, "
+        "and their keys, come from your server list (lingbot_servers.json in ComfyUI's user directory), so a "
+        "shared workflow cannot choose where your prompts and keys go."
     )
     CATEGORY = "LingBot-Video"
     FUNCTION = "configure"
@@ -61,24 +62,35 @@ class LingbotRemoteServer:
 
     @classmethod
     def INPUT_TYPES(cls):
+        # The order keeps workflows saved before the server list loading (widget values are positional):
+        # ``server`` sits where ``api_key_env`` was.
         return {
             "required": {
                 "base_url": ("STRING", {"default": "http://127.0.0.1:30000",
-                             "tooltip": "The server's root URL: http://HOST:30000 for SGLang Diffusion, http://HOST:8091 for vLLM-Omni (a trailing /v1 is accepted)."}),
+                             "tooltip": "Used only when server is '(this machine: ...)': a server on this machine (127.0.0.1, ::1, localhost), http://127.0.0.1:30000 for SGLang Diffusion, :8091 for vLLM-Omni; never sent a key."}),
                 "model": ("STRING", {"default": "robbyant/lingbot-video-moe-30b-a3b",
-                          "tooltip": "The model name the server serves (vLLM-Omni refuses any other: 'Model mismatch')."}),
-                "api_key_env": ("STRING", {"default": "",
-                                "tooltip": "NAME of the environment variable that holds the API key; empty for a server without a key. The key itself is never stored."}),
+                          "tooltip": "The model name the server serves (vLLM-Omni refuses any other: 'Model mismatch'). A server list entry with its own \"model\" uses that one."}),
+                "server": server_input("video", "Videos-API server"),
                 "timeout": ("INT", {"default": 600, "min": 5, "max": 86400,
-                            "tooltip": "Seconds a whole job may take, from submit to the downloaded mp4; past it the job is cancelled and the node fails. The MoE takes minutes per video on one GPU."}),
+                            "tooltip": "Seconds a whole job may take, from submit to the downloaded mp4, every byte included; past it the job is cancelled and the node fails. The MoE takes minutes per video on one GPU."}),
                 "poll_seconds": ("FLOAT", {"default": 2.0, "min": MIN_POLL_SECONDS, "max": MAX_POLL_SECONDS, "step": 0.5,
-                                 "tooltip": "Seconds between status requests; ComfyUI's cancel reaches the server within this time."}),
+                                 "tooltip": "Seconds between status requests (ComfyUI's cancel works at any moment)."}),
             }
         }
 
-    def configure(self, base_url, model, api_key_env, timeout, poll_seconds):
-        # A malformed URL or a missing key is reported here, on this node.
-        return (RemoteServer(base_url, model, api_key_from_env(api_key_env), timeout=timeout, poll_seconds=poll_seconds),)
+    @classmethod
+    def VALIDATE_INPUTS(cls, server, base_url):
+        return check_server(server, base_url, "video")
+
+    @classmethod
+    def IS_CHANGED(cls, **_):
+        return list_version()
+
+    def configure(self, base_url, model, server, timeout, poll_seconds):
+        # The server list, a URL that is not on this machine, or a missing key are reported here, on this node.
+        chosen = endpoint(server, base_url, "video")
+        return (RemoteServer(chosen.base_url, chosen.model or model, chosen.api_key, timeout=timeout,
+                             poll_seconds=poll_seconds, allow_http=chosen.allow_http),)
 
 
 def _remote_inputs() -> dict:
@@ -125,6 +137,7 @@ class LingbotRemoteGenerate:
         out = server.run(prompt, negative_prompt=negative_from_widget(negative_prompt), image=first,
                          width=width, height=height, num_frames=num_frames, steps=steps,
                          guidance_scale=guidance_scale, shift=shift, seed=seed, fps=fps,
-                         use_caption_duration=use_caption_duration, callback=remote_progress(unique_id))
+                         use_caption_duration=use_caption_duration, callback=remote_progress(unique_id),
+                         interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
         logger.info("LingbotRemoteGenerate: %s", out.report())
         return (torch.from_numpy(out.frames), video_output(out.mp4), out.report())

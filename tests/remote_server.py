@@ -5,6 +5,10 @@ remote-engines.md §2), records every request (method, path, headers, parsed mul
 fields, files), and renders an mp4 encoded from known frames, so the pack's real HTTP client runs end
 to end. Failures are scripted per job (:class:`Script`). Never bind another address.
 
+Hostile behaviour, also per job: a redirect (to another server that records what reaches it), an
+answer dripped one byte every 0.5 s (status line and headers included; chat_server.send_raw), a raw poll body (a JSON
+nesting bomb).
+
 Dialects:
 - ``"sglang"``: JSON or multipart; ``queued`` (progress 0) -> ``completed`` (100); a failed job is
   answered 200 with ``error: {"message"}``; DELETE only forgets the record (the job "runs on").
@@ -16,6 +20,7 @@ Dialects:
 from __future__ import annotations
 
 import email.parser
+import functools
 import email.policy
 import io
 import json
@@ -29,11 +34,14 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from chat_server import send_raw
+
 HOST = "127.0.0.1"
 # H.264 yuv420p at crf 0 is lossless in YUV, so the codec error is the RGB -> YUV 4:2:0 -> RGB round trip
 # (8-bit limited range, chroma halved) of the test pattern: measured max abs 8/255 (0.0314), mean 0.0085,
 # PSNR 39.6 dB at 96x64. The bound the tests hold the client to:
 YUV_MAX_ABS, YUV_MIN_PSNR = 10 / 255, 37.0
+STAGES = ("submit", "poll", "content", "delete")
 
 
 @dataclass
@@ -50,6 +58,9 @@ class Script:
     announce_length: bool = True
     lossless: bool = False  # libx264rgb crf 0: the decoded frames equal the pattern exactly
     never_finishes: bool = False
+    drip: Optional[str] = None  # a stage of STAGES whose answer is dripped
+    redirect: Optional[tuple] = None  # (stage, status, location): that stage answers a redirect
+    poll_raw: Optional[bytes] = None  # the body of every status answer (200, application/json)
 
 
 def pattern(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -77,6 +88,27 @@ def encode_mp4(frames: np.ndarray, fps: float = 24.0, lossless: bool = False) ->
         stream.options = {"crf": "0", "preset": "ultrafast"}
         for frame in frames:
             for packet in stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return buf.getvalue()
+
+
+@functools.lru_cache(maxsize=4)
+def small_but_huge_mp4(width: int, height: int, frames: int, fps: int = 24) -> bytes:
+    """Black frames at the lowest H.264 quality: a tiny file that decodes to a huge video (1920x1080 x 40
+    frames is 8.8 kB, 12,000 frames of 96x64 are 171 kB). Cached: the second takes seconds to write."""
+    import av
+
+    buf = io.BytesIO()
+    with av.open(buf, mode="w", format="mp4") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height = width, height
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "51", "preset": "ultrafast", "tune": "zerolatency"}
+        black = av.VideoFrame.from_ndarray(np.zeros((height, width, 3), dtype=np.uint8), format="rgb24")
+        for _ in range(frames):
+            for packet in stream.encode(black):
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
@@ -133,20 +165,25 @@ class VideosServer:
                     owner.requests.append(entry)
 
             def _send(self, status: int, data: bytes, content_type: str = "application/json",
-                      length: Optional[int] = None):
-                try:
-                    self.send_response(status)
-                    self.send_header("Content-Type", content_type)
-                    if length is not None:
-                        self.send_header("Content-Length", str(length))
-                    self.end_headers()
-                    self.wfile.write(data)
-                except OSError:  # the client gave up (timeouts, cancels)
-                    pass
+                      length: Optional[int] = None, script: Optional[Script] = None, stage: str = ""):
+                if script is not None and script.redirect is not None and script.redirect[0] == stage:
+                    _, status, location = script.redirect
+                    data, content_type, length = b"", "text/plain", 0
+                    extra = [("Location", location)]
+                else:
+                    extra = []
+                head = [f"HTTP/1.1 {status} {self.responses.get(status, ('',))[0]}\r\n",
+                        f"Content-Type: {content_type}\r\n", "Connection: close\r\n"]
+                if length is not None:
+                    head.append(f"Content-Length: {length}\r\n")
+                head += [f"{k}: {v}\r\n" for k, v in extra]
+                raw = "".join(head).encode("latin-1") + b"\r\n" + data
+                self.close_connection = True
+                send_raw(self.wfile, raw, drip=script is not None and script.drip == stage)
 
-            def _json(self, status: int, value):
+            def _json(self, status: int, value, script: Optional[Script] = None, stage: str = ""):
                 data = json.dumps(value).encode("utf-8")
-                self._send(status, data, length=len(data))
+                self._send(status, data, length=len(data), script=script, stage=stage)
 
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("Content-Length") or 0))
@@ -157,9 +194,9 @@ class VideosServer:
                 elif ctype.startswith("application/json"):
                     body = json.loads(raw or b"null")
                 self._record(fields, files, body)
-                status, value = owner._create(self.path, fields if fields is not None else body, files or {},
-                                              multipart=fields is not None)
-                self._json(status, value)
+                status, value, script = owner._create(self.path, fields if fields is not None else body, files or {},
+                                                      multipart=fields is not None)
+                self._json(status, value, script, "submit")
 
             def do_GET(self):
                 self._record()
@@ -167,8 +204,8 @@ class VideosServer:
 
             def do_DELETE(self):
                 self._record()
-                status, value = owner._delete(self.path)
-                self._json(status, value)
+                status, value, script = owner._delete(self.path)
+                self._json(status, value, script, "delete")
 
         self._httpd = ThreadingHTTPServer((HOST, 0), Handler)
         self._httpd.daemon_threads = True
@@ -199,25 +236,25 @@ class VideosServer:
 
     def _create(self, path: str, fields, files, multipart: bool):
         if path != "/v1/videos":
-            return self._error(404, f"not found: {path}")
+            return (*self._error(404, f"not found: {path}"), None)
         if self.dialect == "vllm" and not multipart:
-            return self._error(400, "Request must be multipart/form-data")
+            return (*self._error(400, "Request must be multipart/form-data"), None)
         if not isinstance(fields, dict) or not fields.get("prompt"):
-            return self._error(400, "prompt is required")
+            return (*self._error(400, "prompt is required"), None)
         if self.dialect == "vllm" and fields.get("model") != self.model:
-            return self._error(400, f"Model mismatch: {fields.get('model')!r} is not {self.model!r}")
+            return (*self._error(400, f"Model mismatch: {fields.get('model')!r} is not {self.model!r}"), None)
         with self._lock:
             script = self.scripts.pop(0) if self.scripts else Script()
         if script.submit_delay:
             time.sleep(script.submit_delay)
         if script.submit_status != 200:
-            return self._error(script.submit_status, "Internal Server Error: the pipeline crashed (CUDA error)")
+            return (*self._error(script.submit_status, "Internal Server Error: the pipeline crashed (CUDA error)"), script)
         job_id = "video_" + uuid.uuid4().hex[:12]
         job = {"id": job_id, "object": "video", "model": fields.get("model"), "status": "queued", "progress": 0,
                "created_at": int(time.time()), "size": fields.get("size"), "seconds": None}
         with self._lock:
             self.jobs[job_id] = {"job": job, "script": script, "fields": dict(fields), "files": files, "polls": 0}
-        return 200, job
+        return 200, job, script
 
     def _advance(self, entry: dict) -> dict:
         job, script = entry["job"], entry["script"]
@@ -250,15 +287,18 @@ class VideosServer:
             entry = self.jobs.get(parts[3])
         if entry is None:
             return handler._json(*self._error(404, f"Video {parts[3]} not found"))
+        script = entry["script"]
         if len(parts) == 4:
             with self._lock:
                 job = dict(self._advance(entry))
+            if script.poll_raw is not None:
+                return handler._send(200, script.poll_raw, length=len(script.poll_raw), script=script, stage="poll")
             if job["status"] == "failed" and self.dialect == "vllm":
-                return handler._json(500, job)
-            return handler._json(200, job)
+                return handler._json(500, job, script, "poll")
+            return handler._json(200, job, script, "poll")
         if parts[4:] != ["content"]:
             return handler._json(*self._error(404, "not found"))
-        job, script = entry["job"], entry["script"]
+        job = entry["job"]
         if job["status"] == "failed":
             return handler._json(*self._error(422 if self.dialect == "vllm" else 400, f"Video {job['id']} failed"))
         if job["status"] != "completed":
@@ -271,7 +311,7 @@ class VideosServer:
             self.sent[job["id"]] = data
         if script.truncate is not None:
             data = data[: script.truncate]
-        handler._send(200, data, script.content_type, length if script.announce_length else None)
+        handler._send(200, data, script.content_type, length if script.announce_length else None, script, "content")
 
     def _delete(self, path: str):
         parts = path.split("/")
@@ -279,11 +319,11 @@ class VideosServer:
         with self._lock:
             entry = self.jobs.pop(job_id, None)
             if entry is None:
-                return self._error(404, f"Video {job_id} not found")
+                return (*self._error(404, f"Video {job_id} not found"), None)
             (self.cancelled if self.dialect == "vllm" else self.forgotten).append(job_id)
         if self.dialect == "vllm":
-            return 200, {"id": job_id, "deleted": True, "object": "video.deleted"}
-        return 200, {"id": job_id, "deleted": True}
+            return 200, {"id": job_id, "deleted": True, "object": "video.deleted"}, entry["script"]
+        return 200, {"id": job_id, "deleted": True}, entry["script"]
 
     # -- test helpers --------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import re
 import pytest
 
 from comfy_host import execution_error, executed_nodes, workflow_to_api
+from lingbot_core.server_list import LOCAL
 from test_nodes_comfy import (
     EXAMPLE_IMAGE, EXAMPLES, FRAMES, H, MOE, REF_H, REF_W, W, _reset_comfy_cache, check_ui_format, decode_video,
     load_workflow, node_files, nodes_of, patch_nodes,
@@ -58,7 +59,7 @@ def preview_text(entry: dict, node_id: str) -> str:
 
 def rewriter_node(url: str, **kw) -> dict:
     inputs = {"base_url": url, "expand_model": BASE, "map_model": LORA, "system_prompts": "rewriter/",
-              "api_key_env": "", "timeout": 30, "disable_thinking": True}
+              "server": LOCAL, "timeout": 30, "disable_thinking": True}
     inputs.update(kw)
     return {"class_type": "LingbotRewriterServer", "inputs": inputs}
 
@@ -78,7 +79,7 @@ def test_prose_example_workflow_writes_mp4s(server, chat):
     api = workflow_to_api(wf, object_info)
     (sid,) = nodes_of(api, "LingbotRewriterServer")
     assert api[sid]["inputs"] == {"base_url": "http://127.0.0.1:8000/v1", "expand_model": BASE, "map_model": LORA,
-                                  "system_prompts": "rewriter/", "api_key_env": "", "timeout": 600,
+                                  "system_prompts": "rewriter/", "server": LOCAL, "timeout": 600,
                                   "disable_thinking": True}
     (rid,) = nodes_of(api, "LingbotRewritePrompt")
     (lid,) = nodes_of(api, "LoadImage")
@@ -144,8 +145,6 @@ def test_rewrite_outputs_and_errors(server, chat):
     chat.replies[BASE] = __import__("chat_server").Reply(status=500, raw=b"model crashed" + b"!" * 400)
     msg = error_of({**graph, "2": rewrite_node(prompt="a third kite")})
     assert "answered HTTP 500" in msg and "model crashed" + "!" * 287 in msg and "!" * 288 not in msg, msg
-    msg = error_of({**graph, "1": rewriter_node(chat.url, api_key_env="LINGBOT_UNSET_TEST_KEY")})
-    assert "'LINGBOT_UNSET_TEST_KEY', which is not set" in msg, msg
 
 
 @comfy

@@ -145,7 +145,7 @@ def test_client_settings_are_checked():
     with pytest.raises(ValueError, match="timeout"):
         RemoteServer("http://127.0.0.1:1", MODEL, timeout=float("inf"))
     assert RemoteServer("http://h:30000/v1/", MODEL).base_url == "http://h:30000"
-    assert "sk-secret" not in repr(RemoteServer("http://h:1", MODEL, api_key="sk-secret"))
+    assert "sk-secret" not in repr(RemoteServer("https://h:1", MODEL, api_key="sk-secret"))
 
 
 def _closed_port() -> int:
