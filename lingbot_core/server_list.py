@@ -108,7 +108,7 @@ def _entry(path: Path, index: int, raw: object) -> ServerEntry:
         raise _entry_error(path, index, None, "needs a \"name\" (the text shown in the node's server list).")
     kind = raw.get("kind")
     if kind not in KINDS:
-        raise _entry_error(path, index, name, f"\"kind\" must be \"video\" (Remote Server) or \"chat\" (Rewriter Server).")
+        raise _entry_error(path, index, name, "\"kind\" must be \"video\" (Remote Server) or \"chat\" (Rewriter Server).")
     model = raw.get("model")
     if model is not None and (not isinstance(model, str) or not model.strip()):
         raise _entry_error(path, index, name, "\"model\" must be the served model's name.")
