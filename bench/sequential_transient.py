@@ -152,7 +152,17 @@ def stage_peaks(samples: list, events: list, roles: dict, start: dict) -> dict:
     return {k: {f: v[f] for f in STATUS_FIELDS} for k, v in out.items()}
 
 
-def run_server(order, layouts, package: Path) -> list:
+def resize(graph: dict, width: int, height: int, frames: int, guidance: float) -> dict:
+    for node in graph.values():
+        inputs = node["inputs"]
+        if node["class_type"] in ("GenerateVideo", "Refine"):
+            inputs.update(width=width, height=height, guidance_scale=guidance)
+        if node["class_type"] == "GenerateVideo":
+            inputs["num_frames"] = frames
+    return graph
+
+
+def run_server(order, layouts, package: Path, size=(32, 32, 5), guidance: float = 1.0) -> list:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from comfy_host import ComfyServer
     from test_memory_comfy import BIG, LAYOUTS, base_then_refine, free_all, reset_peak
@@ -162,7 +172,7 @@ def run_server(order, layouts, package: Path) -> list:
         pid = server.proc.pid
         for i, (mode, layout) in enumerate(zip(order, layouts)):
             graph, n = base_then_refine(LAYOUTS[layout], mode, seed=100 + i)
-            graph = without_probes(graph, n)
+            graph = resize(without_probes(graph, n), *size, guidance)
             roles = {v: k for k, v in n.items()}
             free_all(server)
             reset_peak(pid)
@@ -188,11 +198,14 @@ def main(argv=None) -> int:
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # one layout for every prompt (--fresh)
     p.add_argument("--package", default=None, help="package folder (written once; default under /tmp)")
     p.add_argument("--server", action="store_true", help="through a real ComfyUI server (issue 24, finding 11)")
+    p.add_argument("--size", default="32x32x5", help="--server: width x height x frames (default: the memory test's)")
+    p.add_argument("--guidance", type=float, default=1.0, help="--server: guidance_scale (> 1: two CFG branches)")
     a = p.parse_args(argv)
     if a.server:
         order = a.order.split(",")
         package = ensure_server_package(Path(a.package or Path(tempfile.gettempdir()) / "lingbot-transient-server-package"))
-        run_server(order, [a.layout or "base first"] * len(order), package)
+        size = tuple(int(v) for v in a.size.split("x"))
+        run_server(order, [a.layout or "base first"] * len(order), package, size, a.guidance)
         return 0
     a.package = a.package or str(Path(tempfile.gettempdir()) / "lingbot-transient-package")
     package = ensure_package(Path(a.package))
