@@ -8,6 +8,16 @@ Each ``--order`` entry is one prompt of the graph of ``tests/test_memory_comfy.p
 in this process (``tests/comfy_inprocess.py``), with ``unload_all_models()`` (what ``/free`` does)
 before each. Printed per prompt: the RSS at its start and its peak rise (VmHWM, reset at the start).
 ``--fresh`` runs every mode and node layout in its own process instead. About 1.3 GiB of RSS.
+
+``--server`` runs the graph through a real headless ComfyUI server instead (``python main.py`` of the
+test host, ``tests/comfy_host.py``), on the package of issue 24's finding 11: a dense package whose DiT
+and refiner DiT are separate files of 553 MiB each (fp32, hidden 1024, depth 8, memory-mapped). A
+thread polls the server's ``/proc/<pid>/status`` every 50 ms (VmRSS, RssAnon, RssFile); the server's
+websocket ``executing`` events split the samples into stages. Printed per prompt: the peak rise over
+the prompt (VmHWM) and per stage the peak rise of the RSS and, at that sample, of its anonymous and
+file-backed parts. Hold ``flock /tmp/lingbot-heavy.lock`` while it runs (about 1.5 GiB in the server)::
+
+    flock /tmp/lingbot-heavy.lock .venv/bin/python -m bench.sequential_transient --server --order none,sequential
 """
 
 from __future__ import annotations
@@ -18,15 +28,21 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 ** 2
 LAYOUT = {"none": "refiner first", "model": "shuffled", "sequential": "base first"}  # as the memory test
+# Issue 24, finding 11: DiT and refiner DiT of 553 MiB each in fp32, written as two files.
+SERVER_DIT = {"hidden_size": 1024, "num_attention_heads": 8, "axes_dims": [32, 48, 48], "depth": 8,
+              "intermediate_size": 4096}
+STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile")
 
 
-def _kib(field: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
+def _kib(field: str, pid="self") -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
         for line in f:
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
@@ -47,6 +63,26 @@ def ensure_package(root: Path) -> Path:
     return root
 
 
+def ensure_server_package(root: Path) -> Path:
+    sys.path[:0] = [str(REPO)]
+    from lingbot_core.fixtures import DIT_WEIGHTS, write_package
+
+    if not (root / "refiner" / DIT_WEIGHTS).is_file() or not (root / "scheduler").is_dir():
+        write_package(root, fp32=True, seed=5, dit=SERVER_DIT, refiner=True)
+    return root
+
+
+def without_probes(graph: dict, n: dict) -> dict:
+    """The graph minus the test-only RSS probe nodes, their consumers wired to what they passed through."""
+    probes = {n["probe_gen"]: n["gen"], n["probe_unload"]: n["unload"]}
+    graph = {k: v for k, v in graph.items() if k not in probes}
+    for v in graph.values():
+        for name, val in v["inputs"].items():
+            if isinstance(val, list) and val[0] in probes:
+                v["inputs"][name] = [probes[val[0]], 0]
+    return graph
+
+
 def run(order, layouts, package: Path) -> list:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from comfy_inprocess import InProcessComfy
@@ -60,12 +96,7 @@ def run(order, layouts, package: Path) -> list:
     out = []
     for i, (mode, layout) in enumerate(zip(order, layouts)):
         graph, n = base_then_refine(LAYOUTS[layout], mode, seed=100 + i)
-        probes = {n["probe_gen"]: n["gen"], n["probe_unload"]: n["unload"]}  # test-only nodes: bypass them
-        graph = {k: v for k, v in graph.items() if k not in probes}
-        for v in graph.values():
-            for name, val in v["inputs"].items():
-                if isinstance(val, list) and val[0] in probes:
-                    v["inputs"][name] = [probes[val[0]], 0]
+        graph = without_probes(graph, n)
         mm.unload_all_models()
         return_freed_memory()
         start = _kib("VmRSS")
@@ -78,13 +109,105 @@ def run(order, layouts, package: Path) -> list:
     return out
 
 
+def _status(pid: int) -> dict:
+    out = {}
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            key = line.split(":", 1)[0]
+            if key in STATUS_FIELDS:
+                out[key] = int(line.split()[1]) * 1024
+    return out
+
+
+class Sampler(threading.Thread):
+    """Polls a process's RSS (total, anonymous, file-backed) every ``period`` seconds."""
+
+    def __init__(self, pid: int, period: float = 0.05):
+        super().__init__(daemon=True)
+        self.pid, self.period, self.samples = pid, period, []
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            self.samples.append((time.monotonic(), _status(self.pid)))
+            self._stop_event.wait(self.period)
+
+    def stop(self) -> list:
+        self._stop_event.set()
+        self.join()
+        return self.samples
+
+
+def stage_peaks(samples: list, events: list, roles: dict, start: dict) -> dict:
+    """Per stage (the node ComfyUI announced last before a sample): the sample with the highest RSS,
+    as rises over ``start`` of the RSS and of its anonymous and file-backed parts (MiB)."""
+    marks = [(e["t"], roles.get(str(e["data"]["node"]), str(e["data"]["node"])))
+             for e in events if e.get("type") == "executing" and isinstance(e.get("data"), dict)
+             and e["data"].get("node") is not None]
+    out: dict = {}
+    for t, st in samples:
+        stage = "before" if not marks or t < marks[0][0] else [r for m, r in marks if m <= t][-1]
+        if stage not in out or st["VmRSS"] > out[stage]["_rss"]:
+            out[stage] = {"_rss": st["VmRSS"], **{f: round((st[f] - start[f]) / MIB) for f in STATUS_FIELDS}}
+    return {k: {f: v[f] for f in STATUS_FIELDS} for k, v in out.items()}
+
+
+def resize(graph: dict, width: int, height: int, frames: int, guidance: float) -> dict:
+    for node in graph.values():
+        inputs = node["inputs"]
+        if node["class_type"] in ("GenerateVideo", "Refine"):
+            inputs.update(width=width, height=height, guidance_scale=guidance)
+        if node["class_type"] == "GenerateVideo":
+            inputs["num_frames"] = frames
+    return graph
+
+
+def run_server(order, layouts, package: Path, size=(32, 32, 5), guidance: float = 1.0) -> list:
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    from comfy_host import ComfyServer
+    from test_memory_comfy import BIG, LAYOUTS, base_then_refine, free_all, reset_peak
+
+    out = []
+    with ComfyServer(models={BIG: package}, startup_timeout=300) as server:
+        pid = server.proc.pid
+        for i, (mode, layout) in enumerate(zip(order, layouts)):
+            graph, n = base_then_refine(LAYOUTS[layout], mode, seed=100 + i)
+            graph = resize(without_probes(graph, n), *size, guidance)
+            roles = {v: k for k, v in n.items()}
+            free_all(server)
+            reset_peak(pid)
+            start = _status(pid)
+            sampler = Sampler(pid)
+            sampler.start()
+            entry = server.run(graph, timeout=900)
+            samples = sampler.stop()
+            hwm = _kib("VmHWM", pid)
+            row = {"prompt": i, "mode": mode, "layout": layout, "status": entry["status"]["status_str"],
+                   "start_mib": round(start["VmRSS"] / MIB), "peak_rise_mib": round((hwm - start["VmRSS"]) / MIB),
+                   "samples": len(samples),
+                   "stages": stage_peaks(samples, entry.get("ws_events") or [], roles, start)}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="bench.sequential_transient", description=__doc__.split("\n\n")[0])
     p.add_argument("--order", default="none,model,sequential,sequential,none")
     p.add_argument("--fresh", action="store_true", help="each mode x layout in its own process")
     p.add_argument("--layout", default=None, help=argparse.SUPPRESS)  # one layout for every prompt (--fresh)
-    p.add_argument("--package", default=str(Path(tempfile.gettempdir()) / "lingbot-transient-package"))
+    p.add_argument("--package", default=None, help="package folder (written once; default under /tmp)")
+    p.add_argument("--server", action="store_true", help="through a real ComfyUI server (issue 24, finding 11)")
+    p.add_argument("--size", default="32x32x5", help="--server: width x height x frames (default: the memory test's)")
+    p.add_argument("--guidance", type=float, default=1.0, help="--server: guidance_scale (> 1: two CFG branches)")
     a = p.parse_args(argv)
+    if a.server:
+        order = a.order.split(",")
+        package = ensure_server_package(Path(a.package or Path(tempfile.gettempdir()) / "lingbot-transient-server-package"))
+        size = tuple(int(v) for v in a.size.split("x"))
+        run_server(order, [a.layout or "base first"] * len(order), package, size, a.guidance)
+        return 0
+    a.package = a.package or str(Path(tempfile.gettempdir()) / "lingbot-transient-package")
     package = ensure_package(Path(a.package))
     if a.fresh:
         for layout in ("base first", "refiner first", "shuffled"):
