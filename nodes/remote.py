@@ -101,7 +101,9 @@ def _remote_inputs() -> dict:
     seed_type, seed_opts = required["seed"]
     required["seed"] = (seed_type, {**seed_opts, "tooltip": "Sent to the server; the same seed on the same server gives the same video (servers draw noise their own way, so it differs from a local render)."})
     optional = {"image": ("IMAGE", {"tooltip": "Image-to-video: the first frame (the first image of a batch), scaled to cover width x height and centre-cropped as for local generation, then sent as input_reference."})}
-    optional.update((k, v) for k, v in local["optional"].items() if k != "image_condition")
+    # Only what a server takes: the pipe-side controls (image_condition, step_cache, sampler, sigmas) stay
+    # on GenerateVideo; the browser would queue their values and generate() takes no such argument.
+    optional.update((k, v) for k, v in local["optional"].items() if k in ("use_caption_duration", "fps"))
     return {"required": required, "optional": optional, "hidden": {"unique_id": "UNIQUE_ID"}}
 
 

@@ -109,3 +109,19 @@ def test_server_errors_are_named_on_the_node(comfy_server, remote):
     msg = err["exception_message"]
     assert f"{remote.url}/v1/videos answered HTTP 500" in msg and "the pipeline crashed" in msg
     assert len(remote.posts()) == 1
+
+
+@comfy
+def test_every_widget_the_browser_sends_is_taken(comfy_server, remote):
+    """The browser queues a value for every widget a node declares, optional ones included (the example
+    file stores fewer): Remote Generate must accept each of them, and declare none it would ignore."""
+    info = comfy_server.object_info("LingbotRemoteGenerate")
+    api = example_prompt(comfy_server, remote, seed=11)
+    (gen,) = nodes_of(api, "LingbotRemoteGenerate")
+    for name, spec in info["input"].get("optional", {}).items():
+        if len(spec) > 1 and "default" in spec[1]:
+            api[gen]["inputs"].setdefault(name, spec[1]["default"])
+    entry = comfy_server.run(api, timeout=120)
+    assert saved_frames(comfy_server, entry, "90").shape == (9, 64, 96, 3)
+    # local-only sampling controls do not reach a server, so the node does not offer them
+    assert not {"step_cache", "sampler", "sigmas"} & set(info["input"].get("optional", {}))
