@@ -9,7 +9,8 @@ Regenerate the README image (from the repository root, after ``scripts/setup-env
 
 Template-browser thumbnails (ComfyUI fetches ``example_workflows/<name>.jpg``), one per workflow::
 
-    for w in lingbot_t2v lingbot_ti2v lingbot_ti2v_refine lingbot_prose_ti2v_refine; do
+    for w in lingbot_t2v lingbot_ti2v lingbot_ti2v_refine lingbot_prose_ti2v_refine lingbot_remote_t2v \
+             lingbot_moe_4step_lora lingbot_moe_dmd_8step lingbot_moe_gguf_4step_lora; do
         .venv/bin/python scripts/screenshot_workflow.py --workflow example_workflows/$w.json \
             --out example_workflows/$w.jpg --width 1024 --height 768 --out-width 512
     done
@@ -59,7 +60,8 @@ from comfy_host import ws_frame, ws_read_frame  # noqa: E402  (stdlib-only webso
 DEFAULT_WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
 DEFAULT_OUT = REPO / "docs" / "images" / "workflow_ti2v_refine.png"
 INPUT_IMAGE = REPO / "example_workflows" / "lingbot_example_input.png"
-MODELS = {"lingbot-video-moe-30b-a3b": True, "lingbot-video-dense-1.3b": False}  # name -> moe
+MODELS = {"lingbot-video-moe-30b-a3b": True, "lingbot-video-dense-1.3b": False,
+          "lingbot-video-moe-dmd-30b-a3b": True}  # name -> moe
 
 #: Frontend settings written to the server's user settings before the page loads.
 FRONTEND_SETTINGS = {
