@@ -287,8 +287,8 @@ def test_without_moe_preload_sequential_output_is_wrong(packages):
         pipe.set_offload("sequential")
         try:
             out = pipe.generate("a cat", output_type="latent", **RUN)
-        except (NotImplementedError, RuntimeError):
-            return  # meta experts raised: wrong, as expected
+        except (NotImplementedError, RuntimeError, FloatingPointError):
+            return  # meta experts raised, or read uninitialised memory that held NaN: wrong, as expected
         assert not torch.equal(out, reference)  # or silently wrong numbers
     finally:
         pipe.release()
