@@ -367,11 +367,11 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
         transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
-        checkpoint_weight=checkpoint_weight,
+        checkpoint_weight=checkpoint_weight, transformer_file=None if transformer_file is None else str(transformer_file),
     )
     if pipe.own_sampler == "dmd_student":
         logger.info("%s is a DMD-distilled student (%s): sampler 'auto' runs dmd_student (recipe: 8 steps, guidance 1.0, "
-                    "shift 3.0).", root.name, pipe.dmd_reason)
+                    "shift 3.0).", Path(transformer_file).name if transformer_file else root.name, pipe.dmd_reason)
     if loras:
         try:
             pipe.set_loras(loras)

@@ -119,7 +119,8 @@ class LingbotPipeline:
                  model_dir: Optional[str] = None, transformer_subfolder: str = "transformer",
                  offload: str = "none", device=None, blocks_on_gpu: int = 0, attention: str = "sdpa",
                  compile_blocks: bool = False, cfg_lockstep: bool = True, devices=None,
-                 checkpoint_weight: Optional[Callable[[str, torch.dtype], torch.Tensor]] = None):
+                 checkpoint_weight: Optional[Callable[[str, torch.dtype], torch.Tensor]] = None,
+                 transformer_file: Optional[str] = None):
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.processor = processor
@@ -127,7 +128,7 @@ class LingbotPipeline:
         self.scheduler_config = dict(scheduler_config)
         self.model_dir = model_dir
         # Why this package is a DMD-distilled student (sampler "auto" -> dmd_student), or None.
-        self.dmd_reason = dmd_package_reason(self.scheduler_config, model_dir)
+        self.dmd_reason = dmd_package_reason(self.scheduler_config, model_dir, transformer_file)
         self.transformer_subfolder = transformer_subfolder
         # (key, dtype) -> the DiT tensor as loaded, read again from its file: LoRA changes restore from it.
         self._checkpoint_weight = checkpoint_weight

@@ -288,14 +288,18 @@ def dmd_settings(config: Optional[dict]) -> dict:
     return dict(threshold=threshold, eta=eta)
 
 
-def dmd_package_reason(config: Optional[dict], model_dir) -> Optional[str]:
+def dmd_package_reason(config: Optional[dict], model_dir, dit_file=None) -> Optional[str]:
     """Why a package is a DMD-distilled student (its scheduler config names DMDStudentScheduler, or its
-    folder name contains "dmd"), or None for any other package."""
+    folder name, or the name of the single DiT file loaded in its place, contains "dmd"), or None for any
+    other package."""
     if (config or {}).get("_class_name") == DMD_SCHEDULER_CLASS:
         return f"its scheduler/scheduler_config.json names {DMD_SCHEDULER_CLASS}"
     name = os.path.basename(os.path.normpath(str(model_dir))) if model_dir else ""
     if "dmd" in name.lower():
         return f"its folder name {name!r} contains 'dmd'"
+    file_name = os.path.basename(str(dit_file)) if dit_file else ""
+    if "dmd" in file_name.lower():
+        return f"its DiT file name {file_name!r} contains 'dmd'"
     return None
 
 

@@ -174,3 +174,21 @@ def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root
     finally:
         ref.release()
     assert (got - want).abs().max().item() <= 1e-5
+
+
+def test_sampler_auto_runs_dmd_student_for_a_dmd_gguf_file(gguf_root):
+    """A DMD student shipped as one GGUF (beside an ordinary package for the small components) is
+    recognised by its file name: sampler "auto" then gives the dmd_student frames; another file keeps UniPC."""
+    root, pkg = gguf_root
+    for name, expected in (("lingbot-moe-dmd-Q8_0.gguf", "dmd_student"), ("lingbot-moe-Q8_0.gguf", "unipc")):
+        path = root / name
+        write_gguf_dit(path, package_state(pkg), "Q8_0", layout="rebel", seed=11)
+        pipe = load_pipeline(pkg, transformer_file=path, device="cpu")
+        try:
+            auto = pipe.generate("a cat", sampler="auto", **RUN)
+            chosen = pipe.generate("a cat", sampler=expected, **RUN)
+            other = pipe.generate("a cat", sampler="unipc" if expected == "dmd_student" else "dmd_student", **RUN)
+            assert torch.equal(auto, chosen), name
+            assert not torch.allclose(auto, other, atol=1e-3), name
+        finally:
+            pipe.release()
