@@ -18,6 +18,16 @@ Each measured load runs in a fresh child process (RSS after imports, after the l
    file bytes, load time, RSS after load, step time, peak RSS; and each scaled to 48 blocks: file bytes
    and the file-backed RSS grow per block, the anonymous part is one block's dequantized experts at a
    time (it does not grow with depth).
+
+``--server`` measures where a user sees it, in a real headless ComfyUI server (``tests/comfy_host.py``):
+the dense DiT as the Q8_0 GGUF and as bf16 safetensors (text_dim 64, the side package's tiny text
+encoder's; every other shape the released one's, written once in the workdir) in the server's
+``models/diffusion_models``, the side package as ``model``, run through 'Load LingBot-Video Pipeline
+(files)' -> GenerateVideo (64 x 64 x 5, 2 steps, guidance 1.0) -> SaveImage, a fresh server per offload
+mode (``--offload none,block``) and file. RSS (VmRSS, RssAnon, RssFile) per prompt and stage comes from
+``bench.server_rss``::
+
+    flock /tmp/lingbot-heavy.lock .venv/bin/python -m bench.gguf --server --json gguf-server.json
 """
 
 from __future__ import annotations
@@ -60,17 +70,20 @@ def dense_config() -> dict:
 
 
 def ensure_side_package(workdir: Path) -> Path:
-    """A folder with the tiny package's processor, text encoder, VAE and scheduler and no transformer/:
+    """A folder with the tiny package's model_index.json, processor, text encoder, VAE and scheduler and no transformer/:
     the DiT comes from the GGUF file and its config from the file's shapes."""
     from lingbot_core.fixtures import write_package
 
     root = workdir / "side-package"
-    if (root / "processor").is_dir():
+    if (root / "model_index.json").is_file():
         return root
-    full = write_package(workdir / "tiny-package", refiner=False)
+    full = workdir / "tiny-package"
+    if not (full / "model_index.json").is_file():
+        write_package(full, refiner=False)
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("processor", "text_encoder", "vae", "scheduler"):
         shutil.copytree(full / sub, root / sub, dirs_exist_ok=True)
+    shutil.copy(full / "model_index.json", root)  # ComfyUI's model list shows folders that have one
     return root
 
 
@@ -85,20 +98,26 @@ def ensure_moe_gguf(workdir: Path, blocks: int) -> Path:
     return path
 
 
-def ensure_dense_files(workdir: Path) -> tuple:
+def ensure_dense_files(workdir: Path, text_dim: int = 2560) -> tuple:
+    """The full-size dense DiT as a Q8_0 GGUF and as a bf16 safetensors folder (written once). A
+    ``text_dim`` other than the released 2560 (the tiny text encoder's width, for a graph that encodes a
+    real prompt with the side package) is in the names; it changes one 2048-wide Linear's input only."""
     from bench.offload import write_random_dit
     from lingbot_core.gguf_fixtures import write_random_gguf_dit
 
-    gguf_path = workdir / "lingbot-dense-q8_0.gguf"
+    tag = "" if text_dim == 2560 else f"-text{text_dim}"
+    gguf_path = workdir / f"lingbot-dense{tag}-q8_0.gguf"
     if not gguf_path.is_file():
-        write_random_gguf_dit(gguf_path.with_suffix(".partial"), {**moe_config(0), **dense_config(), "num_experts": 0},
+        write_random_gguf_dit(gguf_path.with_suffix(".partial"),
+                              {**moe_config(0), **dense_config(), "num_experts": 0, "text_dim": text_dim},
                               "Q8_0", layout="sdcpp", seed=1)
         gguf_path.with_suffix(".partial").rename(gguf_path)
-    st_dir = workdir / "lingbot-dense-bf16"
+    st_dir = workdir / f"lingbot-dense{tag}-bf16"
     if not (st_dir / "diffusion_pytorch_model.safetensors").is_file():
         import torch
 
-        write_random_dit(st_dir, torch.Generator().manual_seed(1))  # class defaults: the released dense DiT
+        # class defaults: the released dense DiT
+        write_random_dit(st_dir, torch.Generator().manual_seed(1), **({} if text_dim == 2560 else {"text_dim": text_dim}))
     return gguf_path, st_dir
 
 
@@ -203,6 +222,57 @@ def dequant_costs(repeat: int = 3) -> list:
     return rows
 
 
+# -- --server: the files loader in a real ComfyUI server ----------------------------------------------
+
+FROM_PACKAGE = "(from the package)"  # the files loader's choice for a component the package provides
+SIDE = "lingbot-side"  # the package folder the files loader's ``model`` names (processor, text encoder, VAE)
+ROLES = {"1": "load", "2": "generate", "3": "save"}
+
+
+def files_graph(dit_file: str, offload: str, size=(64, 64, 5), steps: int = 2, dit_precision: str = "bf16") -> dict:
+    """'Load LingBot-Video Pipeline (files)' -> GenerateVideo -> SaveImage (node ids as ``ROLES``)."""
+    width, height, frames = size
+    return {
+        "1": {"class_type": "LoadLingbotPipelineFiles", "inputs": {
+            "model": SIDE, "dit_file": dit_file, "text_encoder_file": FROM_PACKAGE, "vae_file": FROM_PACKAGE,
+            "transformer": "transformer", "offload": offload, "dit_precision": dit_precision,
+            "text_encoder_precision": "auto", "vae_precision": "fp32"}},
+        "2": {"class_type": "GenerateVideo", "inputs": {
+            "pipe": ["1", 0], "prompt": "a red kite above green hills", "negative_prompt": "", "width": width,
+            "height": height, "num_frames": frames, "steps": steps, "guidance_scale": 1.0, "shift": 3.0, "seed": 7}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "bench_gguf"}},
+    }
+
+
+def run_server(workdir: Path, modes, size, steps: int, dit_precision: str) -> list:
+    """Per offload mode and DiT file (the dense GGUF Q8_0, then the same shapes as bf16 safetensors), a
+    fresh ComfyUI server (``tests/comfy_host.py``) runs :func:`files_graph` once; its RSS comes from
+    ``bench.server_rss``. The DiT's text_dim is the tiny text encoder's (the side package encodes the
+    prompt), every other shape is the released dense DiT's."""
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    from comfy_host import ComfyServer
+
+    from bench.server_rss import measure_prompt
+    from lingbot_core.fixtures import DIT_WEIGHTS, TEXT_HIDDEN
+
+    side = ensure_side_package(workdir)
+    gguf_path, st_dir = ensure_dense_files(workdir, text_dim=TEXT_HIDDEN)
+    files = {"gguf Q8_0": gguf_path, "safetensors bf16": st_dir / DIT_WEIGHTS}
+    names = {"gguf Q8_0": gguf_path.name, "safetensors bf16": st_dir.name + ".safetensors"}
+    out = []
+    for mode in modes:
+        for kind, path in files.items():
+            with ComfyServer(models={SIDE: side}, startup_timeout=300) as server:
+                unet = server.models_dir / "diffusion_models"
+                unet.mkdir(parents=True, exist_ok=True)
+                os.link(path, unet / names[kind])  # a hard link: the same page cache as the cached file
+                row = {"offload": mode, "dit": kind, "file_mib": round(path.stat().st_size / MIB),
+                       **measure_prompt(server, files_graph(names[kind], mode, size, steps, dit_precision), ROLES)}
+            print(json.dumps(row), flush=True)
+            out.append(row)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_DIR", "/tmp/lingbot-bench-gguf"))
@@ -210,6 +280,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--json")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: dense,dequant,moe")
     ap.add_argument("--child", nargs="*")
+    ap.add_argument("--server", action="store_true",
+                    help="the dense DiT as GGUF Q8_0 and as bf16 safetensors through the files loader in a real ComfyUI server")
+    ap.add_argument("--offload", default="none,block", help="--server: offload modes, a fresh server each")
+    ap.add_argument("--size", default="64x64x5", help="--server: width x height x frames")
+    ap.add_argument("--steps", type=int, default=2, help="--server: denoise steps (guidance 1.0)")
+    ap.add_argument("--dit-precision", default="bf16", help="--server: the loader's dit_precision (auto is fp32 on CPU)")
     args = ap.parse_args(argv)
     if args.child:
         kind, *rest = args.child
@@ -218,8 +294,14 @@ def main(argv=None) -> dict:
         return result
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    skip = set(filter(None, args.skip.split(",")))
     report = {}
+    if args.server:
+        size = tuple(int(v) for v in args.size.split("x"))
+        report["server"] = run_server(workdir, args.offload.split(","), size, args.steps, args.dit_precision)
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return report
+    skip = set(filter(None, args.skip.split(",")))
     if "dequant" not in skip:
         report["dequant"] = dequant_costs()
         print(json.dumps(report["dequant"], indent=1), flush=True)

@@ -11,8 +11,8 @@ before each. Printed per prompt: the RSS at its start and its peak rise (VmHWM, 
 
 ``--server`` runs the graph through a real headless ComfyUI server instead (``python main.py`` of the
 test host, ``tests/comfy_host.py``), on the package of issue 24's finding 11: a dense package whose DiT
-and refiner DiT are separate files of 553 MiB each (fp32, hidden 1024, depth 8, memory-mapped). A
-thread polls the server's ``/proc/<pid>/status`` every 50 ms (VmRSS, RssAnon, RssFile); the server's
+and refiner DiT are separate files of 553 MiB each (fp32, hidden 1024, depth 8, memory-mapped).
+``bench.server_rss`` measures each prompt: a thread polls the server's ``/proc/<pid>/status`` every 50 ms (VmRSS, RssAnon, RssFile); the server's
 websocket ``executing`` events split the samples into stages. Printed per prompt: the peak rise over
 the prompt (VmHWM) and per stage the peak rise of the RSS and, at that sample, of its anonymous and
 file-backed parts. Hold ``flock /tmp/lingbot-heavy.lock`` while it runs (about 1.5 GiB in the server)::
@@ -28,9 +28,10 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
+
+from bench.server_rss import kib as _kib
+from bench.server_rss import measure_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 ** 2
@@ -38,15 +39,6 @@ LAYOUT = {"none": "refiner first", "model": "shuffled", "sequential": "base firs
 # Issue 24, finding 11: DiT and refiner DiT of 553 MiB each in fp32, written as two files.
 SERVER_DIT = {"hidden_size": 1024, "num_attention_heads": 8, "axes_dims": [32, 48, 48], "depth": 8,
               "intermediate_size": 4096}
-STATUS_FIELDS = ("VmRSS", "RssAnon", "RssFile")
-
-
-def _kib(field: str, pid="self") -> int:
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def ensure_package(root: Path) -> Path:
@@ -109,49 +101,6 @@ def run(order, layouts, package: Path) -> list:
     return out
 
 
-def _status(pid: int) -> dict:
-    out = {}
-    with open(f"/proc/{pid}/status", encoding="ascii") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in STATUS_FIELDS:
-                out[key] = int(line.split()[1]) * 1024
-    return out
-
-
-class Sampler(threading.Thread):
-    """Polls a process's RSS (total, anonymous, file-backed) every ``period`` seconds."""
-
-    def __init__(self, pid: int, period: float = 0.05):
-        super().__init__(daemon=True)
-        self.pid, self.period, self.samples = pid, period, []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            self.samples.append((time.monotonic(), _status(self.pid)))
-            self._stop_event.wait(self.period)
-
-    def stop(self) -> list:
-        self._stop_event.set()
-        self.join()
-        return self.samples
-
-
-def stage_peaks(samples: list, events: list, roles: dict, start: dict) -> dict:
-    """Per stage (the node ComfyUI announced last before a sample): the sample with the highest RSS,
-    as rises over ``start`` of the RSS and of its anonymous and file-backed parts (MiB)."""
-    marks = [(e["t"], roles.get(str(e["data"]["node"]), str(e["data"]["node"])))
-             for e in events if e.get("type") == "executing" and isinstance(e.get("data"), dict)
-             and e["data"].get("node") is not None]
-    out: dict = {}
-    for t, st in samples:
-        stage = "before" if not marks or t < marks[0][0] else [r for m, r in marks if m <= t][-1]
-        if stage not in out or st["VmRSS"] > out[stage]["_rss"]:
-            out[stage] = {"_rss": st["VmRSS"], **{f: round((st[f] - start[f]) / MIB) for f in STATUS_FIELDS}}
-    return {k: {f: v[f] for f in STATUS_FIELDS} for k, v in out.items()}
-
-
 def resize(graph: dict, width: int, height: int, frames: int, guidance: float) -> dict:
     for node in graph.values():
         inputs = node["inputs"]
@@ -165,27 +114,15 @@ def resize(graph: dict, width: int, height: int, frames: int, guidance: float) -
 def run_server(order, layouts, package: Path, size=(32, 32, 5), guidance: float = 1.0) -> list:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from comfy_host import ComfyServer
-    from test_memory_comfy import BIG, LAYOUTS, base_then_refine, free_all, reset_peak
+    from test_memory_comfy import BIG, LAYOUTS, base_then_refine
 
     out = []
     with ComfyServer(models={BIG: package}, startup_timeout=300) as server:
-        pid = server.proc.pid
         for i, (mode, layout) in enumerate(zip(order, layouts)):
             graph, n = base_then_refine(LAYOUTS[layout], mode, seed=100 + i)
             graph = resize(without_probes(graph, n), *size, guidance)
-            roles = {v: k for k, v in n.items()}
-            free_all(server)
-            reset_peak(pid)
-            start = _status(pid)
-            sampler = Sampler(pid)
-            sampler.start()
-            entry = server.run(graph, timeout=900)
-            samples = sampler.stop()
-            hwm = _kib("VmHWM", pid)
-            row = {"prompt": i, "mode": mode, "layout": layout, "status": entry["status"]["status_str"],
-                   "start_mib": round(start["VmRSS"] / MIB), "peak_rise_mib": round((hwm - start["VmRSS"]) / MIB),
-                   "samples": len(samples),
-                   "stages": stage_peaks(samples, entry.get("ws_events") or [], roles, start)}
+            row = {"prompt": i, "mode": mode, "layout": layout,
+                   **measure_prompt(server, graph, {v: k for k, v in n.items()})}
             print(json.dumps(row), flush=True)
             out.append(row)
     return out
