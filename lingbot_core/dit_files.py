@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from . import gguf_weights
-from .checkpoint_files import GGUFFile, ModelPackageError, SafetensorsReader
+from .checkpoint_files import GGUFFile, ModelPackageError, SafetensorsReader, read_config
 from .fp8 import FP8_COMPUTE_DTYPE, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_shape
 from .transformer import Experts, Linear, LingBotVideoTransformer3DModel, is_fp32_island
 
@@ -239,6 +239,17 @@ def config_from_shapes(shapes: Dict[str, tuple], source: str = "the file") -> di
     return cfg
 
 
+def transformer_config(root: Optional[Path], transformer_subfolder: str = "transformer",
+                       transformer_file=None, dit=None) -> dict:
+    """The DiT config: the package's own ``config.json`` when there is one (it wins), else the one the
+    single file's tensor shapes imply."""
+    own = None if root is None else Path(root) / transformer_subfolder
+    if transformer_file is None or (own is not None and (own / "config.json").is_file()):
+        return read_config(own, transformer_subfolder)
+    dit = dit or DitFile(transformer_file, transformer_subfolder)
+    return config_from_shapes(dit.shapes, dit.path.name)
+
+
 def model_kind(config: dict) -> str:
     if config.get("num_experts"):
         return f"MoE ({config['num_experts']} experts, {config['depth']} blocks)"
@@ -250,12 +261,13 @@ def model_kind(config: dict) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def meta_model(config: dict, name: str = "transformer") -> LingBotVideoTransformer3DModel:
+def meta_model(config: dict, name: str = "transformer", source: str = "the DiT config") -> LingBotVideoTransformer3DModel:
+    """The DiT ``config`` describes, built on ``meta`` (no memory); ``source`` names the config in the error."""
     try:
         with torch.device("meta"):
             return LingBotVideoTransformer3DModel.from_config(config)
     except (TypeError, ValueError) as e:
-        raise ModelPackageError(f"{name}: the DiT config is invalid: {e}") from None
+        raise ModelPackageError(f"{name}: {source} describes an invalid model: {e}") from None
 
 
 def check_dit_file(dit: DitFile, config: Optional[dict] = None, name: str = "transformer") -> LingBotVideoTransformer3DModel:

@@ -20,6 +20,7 @@ from .checkpoint_files import (
     ModelPackageError, SafetensorsReader, check_readable, checkpoint_tensor, read_config, safetensors_files,
     safetensors_header,
 )
+from .dit_files import DitFile, file_checkpoint_tensor, load_dit_file, meta_model, transformer_config
 from .fp8 import (
     FP8_COMPUTE_DTYPE, FP8_DTYPES, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_name,
     scale_shape, stored_in_compute_dtype,
@@ -139,12 +140,7 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
 
 def _transformer_on_meta(folder: Path, name: str) -> LingBotVideoTransformer3DModel:
     """The DiT described by ``config.json``, built on ``meta`` (no memory)."""
-    config = read_config(folder, name)
-    try:
-        with torch.device("meta"):
-            return LingBotVideoTransformer3DModel.from_config(config)
-    except (TypeError, ValueError) as e:
-        raise ModelPackageError(f"{name}: config.json describes an invalid model: {e}") from None
+    return meta_model(read_config(folder, name), name, "config.json")
 
 
 def _checkpoint_extra(name: str, path: Path, key: str, expected: dict) -> Optional[str]:
@@ -235,20 +231,6 @@ def check_package(model_dir, transformer_subfolder: str = "transformer", files: 
     return root
 
 
-def transformer_config(root: Optional[Path], transformer_subfolder: str = "transformer",
-                       transformer_file=None, dit=None) -> dict:
-    """The DiT config: the package's own ``config.json`` when there is one (it wins), else the one the
-    single file's tensor shapes imply."""
-    if root is not None and (Path(root) / transformer_subfolder / "config.json").is_file():
-        return read_config(Path(root) / transformer_subfolder, transformer_subfolder)
-    if transformer_file is None:
-        return read_config(Path(root) / transformer_subfolder, transformer_subfolder)
-    from .dit_files import DitFile, config_from_shapes
-
-    dit = dit or DitFile(transformer_file, transformer_subfolder)
-    return config_from_shapes(dit.shapes, dit.path.name)
-
-
 def check_loras(loras, model_dir, transformer_subfolder: str = "transformer", transformer_file=None):
     """Check a LoRA stack against a package's DiT (or a single-file DiT) from headers and configs alone (no
     weight is read); returns the normalized stack. Raises :class:`~lingbot_core.lora.LoraError` naming the file."""
@@ -257,10 +239,8 @@ def check_loras(loras, model_dir, transformer_subfolder: str = "transformer", tr
     stack = normalize_stack(loras)
     if stack:
         root = Path(model_dir) if model_dir is not None else None
-        config = transformer_config(root, transformer_subfolder, transformer_file)
-        with torch.device("meta"):
-            model = LingBotVideoTransformer3DModel.from_config(config)
-        targets = lora_targets(model)
+        targets = lora_targets(meta_model(transformer_config(root, transformer_subfolder, transformer_file),
+                                          transformer_subfolder))
         for path, _ in stack:
             inspect_lora(path, targets)
     return stack
@@ -315,14 +295,10 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     root = check_package(model_dir, transformer_subfolder, files)
     dit_file = None
     if transformer_file is not None:
-        from .dit_files import DitFile
-
         dit_file = DitFile(transformer_file, transformer_subfolder)
     loras = check_loras(loras, root, transformer_subfolder, transformer_file)
 
     if dit_file is not None:
-        from .dit_files import file_checkpoint_tensor, load_dit_file
-
         config = transformer_config(root, transformer_subfolder, transformer_file, dit_file)
         transformer = load_dit_file(transformer_file, chosen["transformer"], config, transformer_subfolder, dit_file)
         checkpoint_weight = functools.partial(file_checkpoint_tensor, transformer_file, transformer_subfolder)

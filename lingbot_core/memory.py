@@ -10,7 +10,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
-import json
 import logging
 import os
 import sys
@@ -151,18 +150,14 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
     ):
         single = files.get(comp)
         if single and comp == "transformer":
-            from .dit_files import DitFile, loaded_bytes
+            from .dit_files import DitFile, loaded_bytes, transformer_config
 
-            total += sum(loaded_bytes(DitFile(single), dtype, _package_config(root / sub)).values())
+            dit = DitFile(single)
+            total += sum(loaded_bytes(dit, dtype, transformer_config(root, sub, single, dit)).values())
             continue
         for path in [Path(single)] if single else safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)
     return total
-
-
-def _package_config(folder: Path) -> Optional[dict]:
-    path = folder / "config.json"
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
 def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None) -> int:
@@ -176,9 +171,10 @@ def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, 
     folder = Path(model_dir) / transformer_subfolder
     per_block: Dict[str, int] = {}
     if transformer_file:
-        from .dit_files import DitFile, loaded_bytes
+        from .dit_files import DitFile, loaded_bytes, transformer_config
 
-        tables = [loaded_bytes(DitFile(transformer_file), dtype, _package_config(folder))]
+        dit = DitFile(transformer_file)
+        tables = [loaded_bytes(dit, dtype, transformer_config(Path(model_dir), transformer_subfolder, transformer_file, dit))]
     else:
         tables = [_loaded_tensor_bytes(path, dtype, is_fp32_island)
                   for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]

@@ -31,7 +31,7 @@ from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
 from .latents import LatentNormalizer
 from .loading import (
     COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_loras, check_package, check_transformer,
-    default_dtypes, load_pipeline, transformer_config,
+    default_dtypes, load_pipeline,
 )
 from .lora import LoraStack, check_strength, describe_stack
 from .memory import (
@@ -140,7 +140,7 @@ class PipelinePool:
             files = spec.files()
             root = check_package(model_dir, transformer_subfolder, files)
             if files.get("transformer"):
-                from .dit_files import DitFile, check_dit_file
+                from .dit_files import DitFile, check_dit_file, transformer_config
 
                 check_dit_file(DitFile(files["transformer"], transformer_subfolder),
                                transformer_config(root, transformer_subfolder, files["transformer"]), transformer_subfolder)
