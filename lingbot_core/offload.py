@@ -484,6 +484,15 @@ class _DeviceSlot:
         self.done = None  # event on the compute stream: the block that used the buffer has run
         self.pending: Optional[Future] = None  # the staging thread's job filling this buffer
 
+    def settle(self, reraise: bool) -> None:
+        """Wait for the staging job filling this buffer, if any: its failure is re-raised for a block about
+        to run (``reraise``), dropped for a prefetch nothing will use."""
+        job, self.pending = self.pending, None
+        if job is not None and reraise:
+            job.result()
+        elif job is not None:
+            job.exception()
+
 
 class _HostSlot:
     def __init__(self, pinned):
@@ -577,9 +586,7 @@ class BlockRing:
 
     def wait(self, slot: _DeviceSlot) -> None:
         """Compute may read ``slot`` once its staging job has run (host) and its copy has landed (GPU)."""
-        if slot.pending is not None:
-            slot.pending, job = None, slot.pending
-            job.result()  # re-raises a failed staging job here, in the stage
+        slot.settle(reraise=True)  # a failed staging job fails the stage here
         if slot.ready is not None:
             self.streams.compute_waits(slot.ready)
             slot.ready = None
@@ -587,9 +594,7 @@ class BlockRing:
     def drain(self) -> None:
         """Wait for every staging job and every copy on the side stream (a stage's end)."""
         for slot in self.device_slots:
-            if slot.pending is not None:
-                slot.pending, job = None, slot.pending
-                job.exception()  # a failed prefetch nothing used is dropped with its buffer
+            slot.settle(reraise=False)
         if self.streams is not None:
             self.streams.synchronize()
 
@@ -598,9 +603,7 @@ class BlockRing:
         slot, unit.buffer = unit.buffer, None
         if slot is None:
             return
-        if slot.pending is not None:  # a prefetch that never ran: its job must finish before the buffer is reused
-            slot.pending, job = None, slot.pending
-            job.exception()
+        slot.settle(reraise=False)  # a prefetch that never ran must finish before the buffer is reused
         if self.streams is not None:
             done = self.streams.event()
             self.streams.record_compute(done)
