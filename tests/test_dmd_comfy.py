@@ -6,11 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from comfy_host import workflow_to_api
 from lingbot_core.fixtures import write_package
 from test_nodes_comfy import (
-    EXAMPLE_IMAGE, EXAMPLES, FRAMES, H, MOE, SHORT_CAPTION, W, check_caption, check_ui_format, decode_video,
-    generate, load_workflow, loader, node_files, nodes_of, patch_nodes, progress_events, save_image, saved_frames,
+    EXAMPLE_IMAGE, EXAMPLES, FRAMES, H, MOE, SHORT_CAPTION, W, check_caption, decode_video, example_as_api,
+    generate, loader, node_files, nodes_of, patch_nodes, progress_events, save_image, saved_frames,
 )
 
 pytestmark = pytest.mark.comfy
@@ -34,10 +33,7 @@ def object_info(server):
 
 
 def test_dmd_example_loads_with_the_recipe_and_runs_t2v_and_ti2v(server, object_info):
-    wf = load_workflow(EXAMPLE)
-    assert {n["type"] for n in wf["nodes"]} - {"Note"} <= set(object_info)  # no missing node
-    check_ui_format(wf, object_info)
-    api = workflow_to_api(wf, object_info)
+    wf, api = example_as_api(EXAMPLE, object_info)
     (lid,) = nodes_of(api, "LoadLingbotPipeline")
     assert api[lid]["inputs"]["model"] == "lingbot-video-moe-dmd-30b-a3b"
     assert api[lid]["inputs"]["transformer"] == "transformer" and api[lid]["inputs"]["offload"] == "block"

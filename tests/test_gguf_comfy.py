@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from comfy_host import workflow_to_api
 from test_lora import lightx2v_lora
 from test_lora_comfy import TINY_LORA, run_tiny_four_step_example
-from test_nodes_comfy import MOE, check_ui_format, load_workflow, nodes_of, patch_nodes
+from test_nodes_comfy import MOE, example_as_api, nodes_of, patch_nodes
 
 pytestmark = pytest.mark.comfy
 gguf = pytest.importorskip("gguf")
@@ -40,10 +39,7 @@ def test_files_loader_lists_component_files_and_runs_the_gguf_example(server):
     for key in ("offload", "dit_precision", "text_encoder_precision", "vae_precision", "transformer"):
         assert node["input"]["required"][key] == info["LoadLingbotPipeline"]["input"]["required"][key] or key == "model"
 
-    wf = load_workflow(EXAMPLE)
-    assert {n["type"] for n in wf["nodes"]} - {"Note"} <= set(info)
-    check_ui_format(wf, info)
-    api = workflow_to_api(wf, info)
+    _, api = example_as_api(EXAMPLE, info)
     (pid,) = nodes_of(api, "LoadLingbotPipelineFiles")
     assert api[pid]["inputs"]["offload"] == "block" and api[pid]["inputs"]["dit_file"].endswith(".gguf")
     (gid,) = nodes_of(api, "GenerateVideo")

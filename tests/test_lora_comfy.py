@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from comfy_host import PromptValidationError, workflow_to_api
+from comfy_host import PromptValidationError
 from test_lora import lightx2v_lora
 from test_nodes_comfy import (
-    FRAMES, H, MOE, SHORT_CAPTION, W, check_ui_format, decode_video, generate, load_workflow, loader, node_files,
-    nodes_of, patch_nodes, save_image, saved_frames,
+    FRAMES, H, MOE, SHORT_CAPTION, W, decode_video, example_as_api, generate, loader, node_files, nodes_of,
+    patch_nodes, save_image, saved_frames,
 )
 
 pytestmark = pytest.mark.comfy
@@ -42,10 +42,7 @@ def test_node_lists_only_safetensors_loras(object_info):
 
 
 def test_four_step_example_loads_with_no_missing_node_and_runs_on_the_tiny_moe(server, object_info):
-    wf = load_workflow(EXAMPLE)
-    assert {n["type"] for n in wf["nodes"]} - {"Note"} <= set(object_info)  # no missing node
-    check_ui_format(wf, object_info)
-    api = workflow_to_api(wf, object_info)
+    wf, api = example_as_api(EXAMPLE, object_info)
     (lid,) = nodes_of(api, "LoadLingbotLoRA")
     (gid,) = nodes_of(api, "GenerateVideo")
     g = api[gid]["inputs"]

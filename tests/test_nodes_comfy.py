@@ -298,6 +298,15 @@ def check_ui_format(wf: dict, object_info: dict) -> None:
     assert linked == {link[0] for link in wf["links"]}
 
 
+def example_as_api(name: str, object_info: dict):
+    """``(workflow, API prompt)`` of an example workflow, as the browser would queue it, after checking that
+    every node type it uses is registered in the host and that the file is in the UI format."""
+    wf = load_workflow(name)
+    assert {n["type"] for n in wf["nodes"]} - {"Note"} <= set(object_info)  # no missing node
+    check_ui_format(wf, object_info)
+    return wf, workflow_to_api(wf, object_info)
+
+
 def check_caption(text: str, duration: float) -> None:
     """§6.5 schema of a video caption; action timestamps inside the video's duration."""
     cap = json.loads(text)
