@@ -38,29 +38,39 @@ def list_packages() -> Dict[str, str]:
     ``loop/``, ``loop/loop/``, ...
     """
     found: Dict[str, str] = {}
+
+    def visit(sub: str, path: str, is_dir: bool) -> bool:
+        if is_dir and os.path.isfile(os.path.join(path, "model_index.json")):
+            found.setdefault(sub, path)
+            return False  # a package's subfolders are components, not packages
+        return is_dir
+
     for root in _roots():
         if os.path.isdir(root):
-            _scan(root, "", (os.path.realpath(root),), found)
+            _walk(root, "", (os.path.realpath(root),), visit)
     return dict(sorted(found.items()))
 
 
-def _scan(folder: str, rel: str, ancestors: tuple, found: Dict[str, str]) -> None:
+def _walk(folder: str, rel: str, ancestors: tuple, visit) -> None:
+    """Call ``visit(name relative to the root, path, is_dir)`` for every entry below ``folder`` in name
+    order, hidden names skipped, and descend into a folder when ``visit`` returns True, at most
+    :data:`MAX_DEPTH` levels deep. Symlinked folders are followed, but never into one of their own
+    ancestors."""
     try:
         names = sorted(os.listdir(folder))
     except OSError:
         return
     for name in names:
-        path = os.path.join(folder, name)
-        if name.startswith(".") or not os.path.isdir(path):
+        if name.startswith("."):
             continue
-        real = os.path.realpath(path)
-        if real in ancestors:
-            continue  # a link back up the tree
+        path = os.path.join(folder, name)
         sub = f"{rel}/{name}" if rel else name
-        if os.path.isfile(os.path.join(path, "model_index.json")):
-            found.setdefault(sub, path)  # a package's subfolders are components, not packages
-        elif sub.count("/") + 1 < MAX_DEPTH:
-            _scan(path, sub, ancestors + (real,), found)
+        if os.path.isdir(path):
+            real = os.path.realpath(path)
+            if real not in ancestors and visit(sub, path, True) and sub.count("/") + 1 < MAX_DEPTH:
+                _walk(path, sub, ancestors + (real,), visit)
+        elif os.path.isfile(path):
+            visit(sub, path, False)
 
 
 def package_choices() -> List[str]:
@@ -130,6 +140,12 @@ def list_component_files(component: str) -> Dict[str, str]:
     are not, and the depth is bounded as for packages."""
     keys, suffixes = COMPONENT_FOLDERS[component]
     found: Dict[str, str] = {}
+
+    def visit(sub: str, path: str, is_dir: bool) -> bool:
+        if not is_dir and sub.lower().endswith(suffixes):
+            found.setdefault(sub, path)
+        return is_dir
+
     for key in keys:
         try:
             roots = folder_paths.get_folder_paths(key)
@@ -137,27 +153,8 @@ def list_component_files(component: str) -> Dict[str, str]:
             continue
         for root in roots:
             if os.path.isdir(root):
-                _scan_files(root, "", (os.path.realpath(root),), suffixes, found)
+                _walk(root, "", (os.path.realpath(root),), visit)
     return dict(sorted(found.items()))
-
-
-def _scan_files(folder: str, rel: str, ancestors: tuple, suffixes: tuple, found: Dict[str, str]) -> None:
-    try:
-        names = sorted(os.listdir(folder))
-    except OSError:
-        return
-    for name in names:
-        if name.startswith("."):
-            continue
-        path = os.path.join(folder, name)
-        sub = f"{rel}/{name}" if rel else name
-        if os.path.isfile(path):
-            if name.lower().endswith(suffixes):
-                found.setdefault(sub, path)
-        elif os.path.isdir(path) and sub.count("/") + 1 < MAX_DEPTH:
-            real = os.path.realpath(path)
-            if real not in ancestors:
-                _scan_files(path, sub, ancestors + (real,), suffixes, found)
 
 
 def component_file_choices(component: str) -> List[str]:
