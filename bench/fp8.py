@@ -68,7 +68,7 @@ def truncated_dit(folder: Path, depth: int) -> Path:
     under 3 GB of RAM; read and written tensor by tensor."""
     from safetensors.torch import save_file
 
-    from lingbot_core.checkpoint_files import SafetensorsReader
+    from lingbot_core.files.checkpoint_files import SafetensorsReader
 
     out = folder.parent / f"{folder.name}-depth{depth}"
     if (out / "diffusion_pytorch_model.safetensors").is_file():
@@ -118,7 +118,7 @@ def _resident_during_forward(dit, mode: str, k: int) -> int:
     import torch
     from accelerate.hooks import AlignDevicesHook
 
-    from lingbot_core.offload import Offloader, StreamUnit
+    from lingbot_core.memory.offload import Offloader, StreamUnit
 
     offloader = Offloader({"transformer": dit}, preload={"transformer": ["MoEFeedForward"]}, blocks_on_gpu=k)
     offloader.apply(mode, "cpu")
@@ -166,7 +166,7 @@ def _resident_during_forward(dit, mode: str, k: int) -> int:
 def child_error_and_residency(folder: str) -> dict:
     import torch
 
-    from lingbot_core.fp8 import dequantize, e4m3_relative_rms_bound, is_quantized_name, quantize, scale_name
+    from lingbot_core.files.fp8 import dequantize, e4m3_relative_rms_bound, is_quantized_name, quantize, scale_name
     from lingbot_core.loading import load_transformer
 
     torch.set_num_threads(2)

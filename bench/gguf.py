@@ -72,7 +72,7 @@ def dense_config() -> dict:
 def ensure_side_package(workdir: Path) -> Path:
     """A folder with the tiny package's model_index.json, processor, text encoder, VAE and scheduler and no transformer/:
     the DiT comes from the GGUF file and its config from the file's shapes."""
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = workdir / "side-package"
     if (root / "model_index.json").is_file():
@@ -88,7 +88,7 @@ def ensure_side_package(workdir: Path) -> Path:
 
 
 def ensure_moe_gguf(workdir: Path, blocks: int) -> Path:
-    from lingbot_core.gguf_fixtures import write_random_gguf_dit
+    from lingbot_core.testing.gguf_fixtures import write_random_gguf_dit
 
     path = workdir / f"lingbot-moe-{blocks}of48-q4k.gguf"
     if not path.is_file():
@@ -103,7 +103,7 @@ def ensure_dense_files(workdir: Path, text_dim: int = 2560) -> tuple:
     ``text_dim`` other than the released 2560 (the tiny text encoder's width, for a graph that encodes a
     real prompt with the side package) is in the names; it changes one 2048-wide Linear's input only."""
     from bench.offload import write_random_dit
-    from lingbot_core.gguf_fixtures import write_random_gguf_dit
+    from lingbot_core.testing.gguf_fixtures import write_random_gguf_dit
 
     tag = "" if text_dim == 2560 else f"-text{text_dim}"
     gguf_path = workdir / f"lingbot-dense{tag}-q8_0.gguf"
@@ -127,7 +127,7 @@ def ensure_dense_files(workdir: Path, text_dim: int = 2560) -> tuple:
 def child_dense(kind: str, path: str) -> dict:
     import torch
 
-    from lingbot_core.dit_files import load_dit_file
+    from lingbot_core.model.dit_files import load_dit_file
     from lingbot_core.loading import load_transformer
 
     torch.set_num_threads(2)
@@ -156,8 +156,8 @@ def child_moe(pkg: str, path: str) -> dict:
     import torch
 
     from lingbot_core import load_pipeline
-    from lingbot_core.scheduling import shifted_sigmas
-    from lingbot_core.text_conditioning import PromptEmbeds
+    from lingbot_core.sampling.scheduling import shifted_sigmas
+    from lingbot_core.prompts.text_conditioning import PromptEmbeds
 
     torch.set_num_threads(2)
     base = _status()
@@ -197,8 +197,8 @@ def dequant_costs(repeat: int = 3) -> list:
     import numpy as np
     import torch
 
-    from lingbot_core import gguf_weights
-    from lingbot_core.gguf_fixtures import random_blocks
+    from lingbot_core.files import gguf_weights
+    from lingbot_core.testing.gguf_fixtures import random_blocks
 
     torch.set_num_threads(2)
     rows = []
@@ -253,7 +253,7 @@ def run_server(workdir: Path, modes, size, steps: int, dit_precision: str) -> li
     from comfy_host import ComfyServer
 
     from bench.server_rss import measure_prompt
-    from lingbot_core.fixtures import DIT_WEIGHTS, TEXT_HIDDEN
+    from lingbot_core.testing.fixtures import DIT_WEIGHTS, TEXT_HIDDEN
 
     side = ensure_side_package(workdir)
     gguf_path, st_dir = ensure_dense_files(workdir, text_dim=TEXT_HIDDEN)
@@ -316,7 +316,7 @@ def main(argv=None) -> dict:
         write_s = time.perf_counter() - t0
         moe = _run_child("moe", str(pkg), str(path))
         size = path.stat().st_size
-        from lingbot_core.dit_files import DitFile
+        from lingbot_core.model.dit_files import DitFile
 
         dit = DitFile(path)
         per_block = sum(dit.reader.nbytes(k) for k in dit.reader.keys() if k.startswith("blocks.0."))

@@ -112,10 +112,10 @@ def _forward_inputs(config: dict):
 def run_part(folder: Path, lora: Path, dtype: str, reps: int) -> dict:
     import torch
 
-    from lingbot_core.checkpoint_files import checkpoint_tensor
+    from lingbot_core.files.checkpoint_files import checkpoint_tensor
     from lingbot_core.loading import load_transformer
-    from lingbot_core.lora import apply_stack, lora_targets, read_stack
-    from lingbot_core.memory import trim_heap
+    from lingbot_core.model.lora import apply_stack, lora_targets, read_stack
+    from lingbot_core.memory.budget import trim_heap
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     rss0 = _rss_mib()
@@ -168,7 +168,7 @@ def run_part(folder: Path, lora: Path, dtype: str, reps: int) -> dict:
 def fp8_error() -> dict:
     import torch
 
-    from lingbot_core.fp8 import dequantize, quantize
+    from lingbot_core.files.fp8 import dequantize, quantize
 
     gen = torch.Generator().manual_seed(3)
     n = 2048

@@ -68,8 +68,8 @@ def _write_moe_dit(folder: Path, layers: int, seed: int) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from lingbot_core.fixtures import DIFFUSERS_VERSION
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from lingbot_core.testing.fixtures import DIFFUSERS_VERSION
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     with torch.device("meta"):
         dit = LingBotVideoTransformer3DModel(**MOE_DIMS, depth=layers)
@@ -109,7 +109,7 @@ def _write_moe_dit(folder: Path, layers: int, seed: int) -> int:
 
 def block_bytes(package: Path) -> int:
     """Bytes of one DiT block (``blocks.0.*``) as stored, from the safetensors headers."""
-    from lingbot_core.checkpoint_files import safetensors_header
+    from lingbot_core.files.checkpoint_files import safetensors_header
 
     itemsize = {"BF16": 2, "F16": 2, "F32": 4}
     total = 0
@@ -126,7 +126,7 @@ def block_bytes(package: Path) -> int:
 def _full_block_bytes() -> int:
     import torch
 
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     with torch.device("meta"):
         dit = LingBotVideoTransformer3DModel(**MOE_DIMS, depth=1)
@@ -135,7 +135,7 @@ def _full_block_bytes() -> int:
 
 def default_layers(reserve_gib: float = 3.0) -> int:
     """As many MoE layers as fit next to the text encoder and VAE in the RAM available now."""
-    from lingbot_core.memory import available_ram
+    from lingbot_core.memory.budget import available_ram
 
     avail = available_ram() or 16 * GIB
     fixed = 8.9 * GIB + 0.5 * GIB  # Qwen3-VL-4B bf16 + Wan VAE fp32
@@ -143,7 +143,7 @@ def default_layers(reserve_gib: float = 3.0) -> int:
 
 
 def build_package(size: str, workdir: Path, layers: Optional[int]) -> tuple:
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     if size == "tiny":
         root = workdir / "lingbot-memory-tiny"

@@ -37,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lingbot_core.transformer import MoEFeedForward, route_tokens  # noqa: E402
+from lingbot_core.model.transformer import MoEFeedForward, route_tokens  # noqa: E402
 
 MOE_CFG = dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, n_group=4, topk_group=2,
                n_shared_experts=1, routed_scaling_factor=2.5, score_func="sigmoid", norm_topk_prob=True)
@@ -241,7 +241,7 @@ def peaks(tokens: int, variants=("issue10", "slices"), tiny: bool = False) -> li
 
 
 def _patched(ffn, f, grouped):
-    with mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=grouped):
+    with mock.patch("lingbot_core.model.transformer._use_grouped_mm", return_value=grouped):
         return ffn(f, torch.bfloat16)
 
 

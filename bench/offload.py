@@ -8,7 +8,7 @@
 package in the released on-disk layout with FULL-SIZE randomly initialised components: the dense DiT
 (1,357,171,264 params, bf16 with fp32 islands), the Qwen3-VL-4B text encoder (4,437,815,808 params,
 bf16, sharded + index) and the Wan 2.1 VAE (126,892,531 params, fp32), plus the bytes tokenizer and the
-tiny processor of ``lingbot_core.fixtures``. Nothing is ever downloaded. ``--size tiny`` uses the tiny
+tiny processor of ``lingbot_core.testing.fixtures``. Nothing is ever downloaded. ``--size tiny`` uses the tiny
 fixture package instead.
 
 Each mode runs in a fresh subprocess (so peak RSS and ``torch.cuda.max_memory_allocated`` are per
@@ -88,7 +88,7 @@ def qwen3vl_4b_config(tokenizer):
     """Qwen3-VL-4B-Instruct architecture; special-token ids from the (bytes) fixture tokenizer."""
     from transformers import Qwen3VLConfig
 
-    from lingbot_core.fixtures import SPECIAL_TOKENS
+    from lingbot_core.testing.fixtures import SPECIAL_TOKENS
 
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SPECIAL_TOKENS}
     cfg = Qwen3VLConfig(
@@ -166,8 +166,8 @@ def write_random_dit(folder: Path, gen, fill=None, **config) -> int:
     parameter count. Built on the meta device, written one tensor at a time."""
     import torch
 
-    from lingbot_core.fixtures import DIFFUSERS_VERSION
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from lingbot_core.testing.fixtures import DIFFUSERS_VERSION
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     with torch.device("meta"):
         dit = LingBotVideoTransformer3DModel(**config)
@@ -178,6 +178,14 @@ def write_random_dit(folder: Path, gen, fill=None, **config) -> int:
     specs = [(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16) for k, v in dit.state_dict().items()]
     _write_safetensors(folder, "diffusion_pytorch_model", specs, gen, None, fill)
     return sum(p.numel() for p in dit.parameters())
+
+
+def moe_dit_config(layers: int) -> dict:
+    """The released MoE DiT config with ``layers`` blocks (keyword arguments over the class defaults, which
+    are the dense release's: full width; every block MoE)."""
+    return dict(depth=layers, axes_lens=[4096, 512, 512], num_experts=128, num_experts_per_tok=8,
+                moe_intermediate_size=768, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
+                score_func="sigmoid", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
 
 
 def _write_safetensors(folder: Path, stem: str, specs, gen, shard_bytes: Optional[int], fill=None) -> None:
@@ -223,11 +231,11 @@ def build_full_package(root: Path, seed: int = 0, fill=None) -> Dict:
     from diffusers import AutoencoderKLWan
     from transformers import GenerationConfig, Qwen3VLForConditionalGeneration
 
-    from lingbot_core.fixtures import (
+    from lingbot_core.testing.fixtures import (
         DIFFUSERS_VERSION, MODEL_INDEX, SCHEDULER_CONFIG, WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, tiny_processor,
         tiny_tokenizer,
     )
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     t_start = time.perf_counter()
     root.mkdir(parents=True)
@@ -328,7 +336,7 @@ def ensure_full_package(workdir: Path, tiled: bool = False) -> tuple:
 
 
 def build_tiny_package(folder: Path) -> Dict:
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     t0 = time.perf_counter()
     write_package(folder, refiner=False)  # release-like dtypes: DiT/TE bf16, VAE fp32
@@ -739,7 +747,7 @@ def main(argv=None) -> int:
         else:
             # Written by the first mode process (it imports transformers/diffusers anyway): saves an import here.
             package, info, build_s = tmp / "lingbot-tiny-dense", None, 0.0
-            pkg_desc = "tiny fixture package (lingbot_core.fixtures.write_package: bf16 DiT/TE, fp32 VAE)"
+            pkg_desc = "tiny fixture package (lingbot_core.testing.fixtures.write_package: bf16 DiT/TE, fp32 VAE)"
         gc.collect()
         results = []
         load_before = os.getloadavg()

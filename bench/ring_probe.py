@@ -40,9 +40,8 @@ MIB = 1024 * 1024
 
 def moe_dit(layers: int, seed: int = 1):
     """A full-width MoE DiT of ``layers`` blocks in memory (bf16 with fp32 islands), random weights."""
-    from bench.offload import TiledFill
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
-    from scripts.gpu_check import moe_dit_config
+    from bench.offload import TiledFill, moe_dit_config
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     gen = torch.Generator().manual_seed(seed)
     fill = TiledFill(gen)
@@ -96,8 +95,8 @@ def _mark(events):
 
 def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int = 832, frames: int = 121,
           steps: int = 2, text_tokens: int = 120) -> dict:
-    from lingbot_core.latents import latent_shape
-    from lingbot_core.offload import Offloader
+    from lingbot_core.model.latents import latent_shape
+    from lingbot_core.memory.offload import Offloader
 
     cuda = device.startswith("cuda")
     t0 = time.perf_counter()

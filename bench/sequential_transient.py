@@ -45,7 +45,7 @@ def ensure_package(root: Path) -> Path:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
     from conftest import MEMORY_DIT
 
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     if not (root / "refiner").is_dir():
         write_package(root, fp32=True, seed=3, dit=MEMORY_DIT, refiner=False)
@@ -57,7 +57,7 @@ def ensure_package(root: Path) -> Path:
 
 def ensure_server_package(root: Path) -> Path:
     sys.path[:0] = [str(REPO)]
-    from lingbot_core.fixtures import DIT_WEIGHTS, write_package
+    from lingbot_core.testing.fixtures import DIT_WEIGHTS, write_package
 
     if not (root / "refiner" / DIT_WEIGHTS).is_file() or not (root / "scheduler").is_dir():
         write_package(root, fp32=True, seed=5, dit=SERVER_DIT, refiner=True)
@@ -83,7 +83,7 @@ def run(order, layouts, package: Path) -> list:
     host = InProcessComfy(tempfile.mkdtemp(prefix="lingbot-transient-"), {"memory-big": str(package)})
     import comfy.model_management as mm
 
-    from lingbot_core.memory import return_freed_memory
+    from lingbot_core.memory.budget import return_freed_memory
 
     out = []
     for i, (mode, layout) in enumerate(zip(order, layouts)):

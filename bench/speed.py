@@ -55,9 +55,9 @@ def lockstep_part(workdir: Path) -> dict:
     from residency import ResidencyTracker
 
     from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import dit_config, write_dit, write_package
-    from lingbot_core.scheduling import shifted_sigmas
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel
+    from lingbot_core.testing.fixtures import dit_config, write_dit, write_package
+    from lingbot_core.sampling.scheduling import shifted_sigmas
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel
 
     root = write_package(workdir / "lingbot-tiny-deep", fp32=True, refiner=False, seed=5)
     write_dit(root / "transformer", {**dit_config(False), "depth": 6}, seed=5, fp32=True)
@@ -93,8 +93,8 @@ def lockstep_part(workdir: Path) -> dict:
 def compile_part(repeats: int) -> dict:
     import torch
 
-    from lingbot_core.block_compile import compile_blocks
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel
+    from lingbot_core.model.block_compile import compile_blocks
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel
 
     torch.manual_seed(0)
     cfg = dict(hidden_size=512, num_attention_heads=4, depth=4, intermediate_size=1536, text_dim=256, freq_dim=64,
@@ -141,7 +141,7 @@ def cache_part(workdir: Path) -> dict:
     import numpy as np
 
     from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = write_package(workdir / "lingbot-tiny-dense", fp32=True, refiner=False)
     pipe = load_pipeline(root, device="cpu")
@@ -178,7 +178,7 @@ def device_rows(package: str, device: str, steps: int, height: int, width: int, 
     import torch
 
     from lingbot_core import load_pipeline
-    from lingbot_core.attention import diffusers_backend
+    from lingbot_core.model.attention import diffusers_backend
 
     dev = torch.device(device)
     cuda = dev.type == "cuda"

@@ -6,13 +6,13 @@ Public API: :func:`load_pipeline` and :class:`LingbotPipeline` (stages ``encode_
 Weights are read from local folders only (``local_files_only=True`` everywhere): no hub access.
 """
 
-from .latents import Posterior
-from .checkpoint_files import ModelPackageError
+from .model.latents import Posterior
+from .files.checkpoint_files import ModelPackageError
 from .loading import DIT_DTYPES, load_pipeline
-from .offload import MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
+from .memory.offload import MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from .pipeline import ImageCondition, LingbotPipeline
 from .pipeline_pool import LazyPipeline, MemoryBudgetError, PipelinePool, PipelineSpec
-from .text_conditioning import PromptEmbeds, frames_for_duration, parse_prompt, serialize_caption
+from .prompts.text_conditioning import PromptEmbeds, frames_for_duration, parse_prompt, serialize_caption
 
 __all__ = [
     "load_pipeline", "LingbotPipeline", "ImageCondition", "PromptEmbeds", "Posterior", "ModelPackageError",

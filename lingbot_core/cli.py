@@ -21,11 +21,11 @@ BUCKETS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .attention import ATTENTION_CHOICES
+    from .model.attention import ATTENTION_CHOICES
     from .loading import DIT_DTYPES
-    from .lora import parse_lora_arg
-    from .offload import OFFLOAD_MODES
-    from .scheduling import SAMPLERS, parse_sigmas
+    from .model.lora import parse_lora_arg
+    from .memory.offload import OFFLOAD_MODES
+    from .sampling.scheduling import SAMPLERS, parse_sigmas
 
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,9 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
 def rewrite(args) -> int:
     from PIL import Image
 
-    from .chat_client import ChatServer
-    from .rewriter import load_system_prompts, rewrite as run_rewrite, save_prompt_file
-    from .server_list import api_key_from_env
+    from .net.chat_client import ChatServer
+    from .prompts.rewriter import load_system_prompts, rewrite as run_rewrite, save_prompt_file
+    from .net.server_list import api_key_from_env
 
     server = ChatServer(args.base_url, api_key_from_env(args.api_key_env, where="--api_key_env"), args.timeout,
                         disable_thinking=not args.keep_thinking, allow_http=args.allow_http)
@@ -147,8 +147,8 @@ def generate(args) -> int:
     from PIL import Image
 
     from . import load_pipeline, parse_prompt
-    from .text_conditioning import compact_json, frames_for_prompt, read_prompt_file
-    from .video_io import write_png, write_video
+    from .prompts.text_conditioning import compact_json, frames_for_prompt, read_prompt_file
+    from .files.video_io import write_png, write_video
 
     # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
     # the caption, and a validated duration.
@@ -195,11 +195,11 @@ def generate(args) -> int:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
-    from .chat_client import ChatServerError
+    from .net.chat_client import ChatServerError
 
     try:
         if args.command == "convert-vae":
-            from .vae_layout import write_original_wan21
+            from .files.vae_layout import write_original_wan21
 
             print(write_original_wan21(args.model_dir, args.output))
             return 0

@@ -16,23 +16,23 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint_files import (
+from .files.checkpoint_files import (
     ModelPackageError, SafetensorsReader, check_readable, checkpoint_tensor, read_config, safetensors_files,
     safetensors_header,
 )
-from .dit_files import DitFile, file_checkpoint_tensor, load_dit_file, meta_model, transformer_config
-from .fp8 import (
+from .model.dit_files import DitFile, file_checkpoint_tensor, load_dit_file, meta_model, transformer_config
+from .files.fp8 import (
     FP8_COMPUTE_DTYPE, FP8_DTYPES, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_name,
     scale_shape, stored_in_compute_dtype,
 )
-from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
+from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
-from .precision import auto_dtypes, fp8_compute_dtype
-from .attention import diffusers_backend
-from .placement import check_component_devices
-from .scheduling import load_scheduler_config
-from .speed import SpeedOptions
-from .transformer import LingBotVideoTransformer3DModel, is_fp32_island
+from .model.precision import auto_dtypes, fp8_compute_dtype
+from .model.attention import diffusers_backend
+from .memory.placement import check_component_devices
+from .sampling.scheduling import load_scheduler_config
+from .sampling.speed import SpeedOptions
+from .model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
 logger = logging.getLogger("lingbot_core")
 
@@ -45,7 +45,7 @@ DIT_DTYPES = {**DTYPES, **FP8_DTYPES}
 
 def default_dtypes(device: torch.device, capability=None, log: bool = False,
                    devices: Optional[dict] = None) -> Dict[str, torch.dtype]:
-    """The ``auto`` dtypes for ``device`` (by compute capability on CUDA; see :mod:`lingbot_core.precision`).
+    """The ``auto`` dtypes for ``device`` (by compute capability on CUDA; see :mod:`lingbot_core.model.precision`).
     ``devices`` (component -> device overrides) makes the text encoder's default follow its own device."""
     chosen = auto_dtypes(device, capability, log=log)
     other = (devices or {}).get("text_encoder")
@@ -67,7 +67,7 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
     """Build the DiT on ``meta`` from ``config.json`` and assign the checkpoint's tensors (one copy in RAM).
 
     Every name and shape is checked; fp32 islands stay fp32 whatever ``dtype`` is. With an fp8
-    ``dtype`` the block Linear weights are stored in fp8 with a scale (:mod:`lingbot_core.fp8`), the
+    ``dtype`` the block Linear weights are stored in fp8 with a scale (:mod:`lingbot_core.files.fp8`), the
     other tensors in bf16 except the islands computed in fp32. fp8 checkpoints (fp8 ``weight`` + ``scale_weight``, ComfyUI's
     "fp8 scaled" convention) load under any ``dtype``.
     """
@@ -233,8 +233,8 @@ def check_package(model_dir, transformer_subfolder: str = "transformer", files: 
 
 def check_loras(loras, model_dir, transformer_subfolder: str = "transformer", transformer_file=None):
     """Check a LoRA stack against a package's DiT (or a single-file DiT) from headers and configs alone (no
-    weight is read); returns the normalized stack. Raises :class:`~lingbot_core.lora.LoraError` naming the file."""
-    from .lora import inspect_lora, lora_targets, normalize_stack
+    weight is read); returns the normalized stack. Raises :class:`~lingbot_core.model.lora.LoraError` naming the file."""
+    from .model.lora import inspect_lora, lora_targets, normalize_stack
 
     stack = normalize_stack(loras)
     if stack:
@@ -254,8 +254,8 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``transformer_file`` / ``text_encoder_file`` / ``vae_file`` replace that component of the package by
-    a single file as ComfyUI users have them (see :mod:`lingbot_core.dit_files` and
-    :mod:`lingbot_core.component_files`): a GGUF or safetensors DiT (loaded as the ``transformer_subfolder``
+    a single file as ComfyUI users have them (see :mod:`lingbot_core.model.dit_files` and
+    :mod:`lingbot_core.model.component_files`): a GGUF or safetensors DiT (loaded as the ``transformer_subfolder``
     role; the package's own ``config.json`` wins over the config its shapes imply), the Qwen3-VL-4B text
     encoder file, the Wan 2.1 VAE file. ``model_dir`` must still hold the ``processor/`` folder (the
     tokenizer is not shipped with the pack) and the components not given as files.
@@ -309,7 +309,7 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
         transformer.stored_compute_dtype = fp8_compute_dtype(device)  # bf16, or fp16 below sm80 (precision)
     common = dict(local_files_only=True, use_safetensors=True)
     if text_encoder_file is not None:
-        from .component_files import load_text_encoder_file
+        from .model.component_files import load_text_encoder_file
 
         text_encoder = load_text_encoder_file(text_encoder_file, chosen["text_encoder"], root / "text_encoder")
     else:
@@ -327,7 +327,7 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     except (OSError, ValueError, TypeError) as e:
         raise ModelPackageError(f"processor: could not load {root / 'processor'}: {e}") from None
     if vae_file is not None:
-        from .component_files import load_vae_file, vae_config
+        from .model.component_files import load_vae_file, vae_config
 
         vae = load_vae_file(vae_file, chosen["vae"], vae_config(root / "vae"))
     else:

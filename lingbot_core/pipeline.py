@@ -18,21 +18,21 @@ from typing import Callable, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
-from .latents import (
+from .model.latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
-from .lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
-from .memory import trim_heap
-from .offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
-from .placement import check_component_devices
-from .refiner import first_frame_pixels, refiner_frame_indices, start_latent
-from .block_compile import FirstStepsTimer
-from .sampler import StepCallback, sample
-from .scheduling import check_sampler, check_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas
-from .speed import SpeedOptions, apply_speed
-from .step_cache import check_step_cache, make_step_cache
-from .text_conditioning import (
+from .model.lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
+from .memory.budget import trim_heap
+from .memory.offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
+from .memory.placement import check_component_devices
+from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
+from .model.block_compile import FirstStepsTimer
+from .sampling.sampler import StepCallback, sample
+from .sampling.scheduling import check_sampler, check_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas
+from .sampling.speed import SpeedOptions, apply_speed
+from .sampling.step_cache import check_step_cache, make_step_cache
+from .prompts.text_conditioning import (
     PromptEmbeds, encode_text, parse_prompt, resolve_negative, template_crop_start, vlm_image,
 )
 
@@ -230,7 +230,7 @@ class LingbotPipeline:
         The files are read and checked first; an error there leaves the pipeline as it was. Touched
         weights are merged from their checkpoint values (read again from the package when a LoRA was
         merged before), so changes never drift and ``[]`` restores the loaded weights bit for bit;
-        fp8 weights get run-time adapters instead (see :mod:`lingbot_core.lora`).
+        fp8 weights get run-time adapters instead (see :mod:`lingbot_core.model.lora`).
         """
         self._require_loaded()
         stack = normalize_stack(loras)
@@ -329,7 +329,7 @@ class LingbotPipeline:
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
-        (lingbot_core.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
+        (lingbot_core.sampling.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -393,7 +393,7 @@ class LingbotPipeline:
         ``dmd_student``) is an explicit strictly decreasing list ending above 0 that replaces the
         ``steps`` / ``shift`` grid (a final 0 is appended), for distilled students trained on a fixed list.
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
-        ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.step_cache).
+        ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.sampling.step_cache).
         """
         self._require_loaded()
         if self.is_refiner:

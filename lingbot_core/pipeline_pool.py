@@ -26,21 +26,21 @@ from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
 import torch
 
-from .attention import diffusers_backend
-from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
-from .latents import LatentNormalizer
+from .model.attention import diffusers_backend
+from .files.fp8 import FP8_COMPUTE_DTYPE, is_fp8
+from .model.latents import LatentNormalizer
 from .loading import (
     COMPONENTS, DIT_DTYPES, DTYPES, ModelPackageError, _dtype, check_loras, check_package, check_transformer,
     default_dtypes, load_pipeline,
 )
-from .lora import LoraStack, check_strength, describe_stack
-from .memory import (
+from .model.lora import LoraStack, check_strength, describe_stack
+from .memory.budget import (
     MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
-from .offload import check_blocks_on_gpu, check_offload_mode, resolve_device
+from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
-from .speed import SpeedOptions
-from .placement import check_component_devices
+from .sampling.speed import SpeedOptions
+from .memory.placement import check_component_devices
 
 logger = logging.getLogger("lingbot_core")
 
@@ -140,7 +140,7 @@ class PipelinePool:
             files = spec.files()
             root = check_package(model_dir, transformer_subfolder, files)
             if files.get("transformer"):
-                from .dit_files import DitFile, check_dit_file, transformer_config
+                from .model.dit_files import DitFile, check_dit_file, transformer_config
 
                 check_dit_file(DitFile(files["transformer"], transformer_subfolder),
                                transformer_config(root, transformer_subfolder, files["transformer"]), transformer_subfolder)
@@ -392,7 +392,7 @@ class LazyPipeline:
     def normalizer(self) -> LatentNormalizer:
         """VAE <-> DiT latent space, from ``vae/config.json`` (no weights needed)."""
         if self._normalizer is None:
-            from .component_files import vae_config
+            from .model.component_files import vae_config
 
             path = Path(self.spec.model_dir) / "vae" / "config.json"
             try:

@@ -26,15 +26,15 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .chat_client import _preview
-from .http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url,
+from .net.chat_client import _preview
+from .net.http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url,
                              check_key, loads_json, open_answer)
-from .latents import check_video_size, preprocess_first_frame
-from .memory import trim_heap
+from .model.latents import check_video_size, preprocess_first_frame
+from .memory.budget import trim_heap
 from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
-from .scheduling import shifted_sigmas
-from .text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
-from .video_io import VideoMismatch, read_mp4
+from .sampling.scheduling import shifted_sigmas
+from .prompts.text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
+from .files.video_io import VideoMismatch, read_mp4
 
 logger = logging.getLogger("lingbot_core")
 

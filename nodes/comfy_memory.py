@@ -24,7 +24,7 @@ import uuid
 import comfy.model_management as mm
 import torch
 
-from ..lingbot_core.memory import ram_budget_from_env
+from ..lingbot_core.memory.budget import ram_budget_from_env
 from ..lingbot_core.pipeline_pool import PipelinePool, PipelineSpec
 
 logger = logging.getLogger("lingbot_video_nodes")

@@ -8,9 +8,9 @@ import os
 import folder_paths
 
 from ..lingbot_core import frames_for_duration, parse_prompt
-from ..lingbot_core.latents import MAX_SIDE, SIZE_MULTIPLE
+from ..lingbot_core.model.latents import MAX_SIDE, SIZE_MULTIPLE
 from ..lingbot_core.pipeline import MAX_TI2V_ASPECT
-from ..lingbot_core.text_conditioning import compact_json, read_prompt_file
+from ..lingbot_core.prompts.text_conditioning import compact_json, read_prompt_file
 
 logger = logging.getLogger("lingbot_video_nodes")
 

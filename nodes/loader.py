@@ -7,7 +7,7 @@ import logging
 import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
-from ..lingbot_core.placement import DEFAULT, device_choices
+from ..lingbot_core.memory.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import (
     FROM_PACKAGE, component_file_choices, package_choices, resolve_component_file, resolve_package,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..lingbot_core.lora import MAX_STRENGTH
+from ..lingbot_core.model.lora import MAX_STRENGTH
 from .comfy_memory import current_job
 from .loader import _consumers
 from .model_folders import lora_choices, resolve_lora

@@ -12,7 +12,7 @@ from typing import Dict, List
 
 import folder_paths
 
-from ..lingbot_core.checkpoint_files import is_safetensors
+from ..lingbot_core.files.checkpoint_files import is_safetensors
 
 FOLDER_KEY = "lingbot_video"
 MAX_DEPTH = 3  # how deep below a models folder a package may sit (e.g. "org/name")

@@ -17,9 +17,9 @@ import folder_paths
 import numpy as np
 from PIL import Image
 
-from ..lingbot_core.chat_client import ChatServer
-from ..lingbot_core.negative_prompts import auto_negative, default_negative_terms, edit_negative, serialize_negative
-from ..lingbot_core.rewriter import MODES, PROMPT_NAMES, load_system_prompts, rewrite
+from ..lingbot_core.net.chat_client import ChatServer
+from ..lingbot_core.prompts.negative_prompts import auto_negative, default_negative_terms, edit_negative, serialize_negative
+from ..lingbot_core.prompts.rewriter import MODES, PROMPT_NAMES, load_system_prompts, rewrite
 from .server_list import check_server, endpoint, list_version, server_input
 
 logger = logging.getLogger("lingbot_video_nodes")

@@ -10,7 +10,7 @@ import comfy.utils
 import torch
 
 from ..lingbot_core.remote import MAX_POLL_SECONDS, MIN_POLL_SECONDS, RemoteServer
-from ..lingbot_core.text_conditioning import negative_from_widget
+from ..lingbot_core.prompts.text_conditioning import negative_from_widget
 from .sampling import GenerateVideo
 from .server_list import check_server, endpoint, list_version, server_input
 

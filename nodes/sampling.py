@@ -5,9 +5,9 @@ from __future__ import annotations
 import logging
 
 from ..lingbot_core import parse_prompt
-from ..lingbot_core.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
-from ..lingbot_core.scheduling import SAMPLERS, parse_sigmas
-from ..lingbot_core.text_conditioning import frames_for_prompt, negative_from_widget
+from ..lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
+from ..lingbot_core.sampling.scheduling import SAMPLERS, parse_sigmas
+from ..lingbot_core.prompts.text_conditioning import frames_for_prompt, negative_from_widget
 from .comfy_memory import free_comfy_models
 from .progress import step_callback
 

@@ -1,4 +1,4 @@
-"""The user's server list (lingbot_core.server_list) in ComfyUI: its file in the user directory, the
+"""The user's server list (lingbot_core.net.server_list) in ComfyUI: its file in the user directory, the
 dropdown of the Remote Server and Rewriter Server nodes, and their check at queue time."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 
 import folder_paths
 
-from ..lingbot_core.server_list import FILE_NAME, LOCAL, ServerListError, select_server, server_names, servers_path
+from ..lingbot_core.net.server_list import FILE_NAME, LOCAL, ServerListError, select_server, server_names, servers_path
 
 
 def servers_file():

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from ..lingbot_core.attention import ATTENTION_CHOICES
-from ..lingbot_core.speed import SpeedOptions
+from ..lingbot_core.model.attention import ATTENTION_CHOICES
+from ..lingbot_core.sampling.speed import SpeedOptions
 
 
 class LingbotSpeedOptions:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import comfy.sd
 
-from ..lingbot_core.vae_layout import load_original_wan21
+from ..lingbot_core.files.vae_layout import load_original_wan21
 from .model_folders import package_choices, resolve_package
 
 

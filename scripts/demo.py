@@ -107,7 +107,7 @@ def main(argv=None) -> int:
         model_name = model_dir.name
         print(f"demo: real weights from {model_dir} (workflow sizes)")
     else:
-        from lingbot_core.fixtures import write_package
+        from lingbot_core.testing.fixtures import write_package
 
         model_name = FIXTURE_NAME
         model_dir = write_package(out / "models" / "diffusers" / FIXTURE_NAME, moe=True, fp32=True, seed=1)
@@ -150,7 +150,7 @@ def main(argv=None) -> int:
     finally:
         server.stop()
 
-    from lingbot_core.video_io import contact_sheet, write_png
+    from lingbot_core.files.video_io import contact_sheet, write_png
 
     sheet = None
     for label, path in sorted(videos.items()):

@@ -215,18 +215,10 @@ def dmd_student_rows() -> List[Row]:
 
 ROWS += dmd_student_rows()
 
-def moe_dit_config(layers: int) -> dict:
-    """The released MoE DiT config with ``layers`` blocks (keyword arguments over the class defaults, which
-    are the dense release's: full width; every block MoE)."""
-    return dict(depth=layers, axes_lens=[4096, 512, 512], num_experts=128, num_experts_per_tok=8,
-                moe_intermediate_size=768, n_group=4, topk_group=2, n_shared_experts=1, routed_scaling_factor=2.5,
-                score_func="sigmoid", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
-
-
 def ensure_moe_package(workdir: Path, dense: Path, layers: int = MOE_LAYERS) -> Path:
     """A MoE package: a full-width MoE DiT of ``layers`` blocks (tiled random weights, bf16 with fp32
     islands), the text encoder, VAE, processor and scheduler of ``dense`` by symlink. Cached."""
-    from bench.offload import TiledFill, write_random_dit
+    from bench.offload import TiledFill, moe_dit_config, write_random_dit
 
     root = workdir / f"lingbot-gpu-check-moe{layers}-v{MOE_PACKAGE_VERSION}"
     if (root / "BUILD_INFO.json").is_file():
@@ -251,7 +243,7 @@ def ensure_moe_package(workdir: Path, dense: Path, layers: int = MOE_LAYERS) -> 
 
 def packages(size: str, workdir: Path) -> Dict[str, Path]:
     if size == "tiny":
-        from lingbot_core.fixtures import write_package
+        from lingbot_core.testing.fixtures import write_package
 
         moe = write_package(workdir / "tiny-moe", moe=True, refiner=False, seed=1)
         return {"dense": write_package(workdir / "tiny-dense", refiner=False), "moe": moe,
@@ -287,7 +279,7 @@ def resolve_load(load: dict, pkgs: Dict[str, Path]):
 
 def precision_check(device, workdir: Path) -> dict:
     from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     package = write_package(workdir / "tiny-fp32", fp32=True, refiner=False, seed=3)
     image = _image(TINY_RUN["height"], TINY_RUN["width"])
@@ -467,7 +459,7 @@ def check_rows(results: List[dict]) -> None:
 
 def placement_check(device, workdir: Path) -> dict:
     from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     package = write_package(workdir / "tiny-placement", fp32=True, refiner=False, seed=4)
     image = _image(TINY_RUN["height"], TINY_RUN["width"])
@@ -505,10 +497,10 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
     with 8 of its 48 blocks; ``tiny``: a 256-wide, 2-block MoE with 128 experts (the code path only)."""
     from bench.gguf import ensure_side_package, moe_config
     from lingbot_core import load_pipeline
-    from lingbot_core.gguf_fixtures import write_random_gguf_dit
-    from lingbot_core.offload import BlockStreamer, _hooks
-    from lingbot_core.scheduling import shifted_sigmas
-    from lingbot_core.text_conditioning import PromptEmbeds
+    from lingbot_core.testing.gguf_fixtures import write_random_gguf_dit
+    from lingbot_core.memory.offload import BlockStreamer, _hooks
+    from lingbot_core.sampling.scheduling import shifted_sigmas
+    from lingbot_core.prompts.text_conditioning import PromptEmbeds
 
     side = ensure_side_package(workdir)
     if size == "full":
@@ -549,7 +541,7 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
 
 def moe_check(device, size: str) -> dict:
     from bench.moe_ffn import run
-    from lingbot_core.precision import grouped_mm_fast, grouped_mm_supported
+    from lingbot_core.model.precision import grouped_mm_fast, grouped_mm_supported
 
     out = run(str(device), tokens=256, repeats=1, tiny=True) if size == "tiny" else run(str(device), tokens=3400, repeats=3)
     out["grouped_is_default"] = grouped_mm_supported(device)
@@ -567,7 +559,7 @@ def decode_check(device, pkgs: Dict[str, Path], frames: int) -> dict:
     """The refiner's tiled decode of a 1088x1920 latent with the full-size random Wan VAE."""
     from diffusers import AutoencoderKLWan
 
-    from lingbot_core.latents import latent_shape, vae_decode, vae_tiling
+    from lingbot_core.model.latents import latent_shape, vae_decode, vae_tiling
 
     vae = AutoencoderKLWan.from_pretrained(pkgs["dense"] / "vae", torch_dtype=torch.float32).to(device).eval()
     z = torch.randn(latent_shape(frames, *DECODE_SIZE), generator=torch.Generator().manual_seed(0))

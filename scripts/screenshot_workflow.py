@@ -17,7 +17,7 @@ Template-browser thumbnails (ComfyUI fetches ``example_workflows/<name>.jpg``), 
 
 What it does:
 
-1. writes tiny fixture model packages (``lingbot_core.fixtures.write_package``) named
+1. writes tiny fixture model packages (``lingbot_core.testing.fixtures.write_package``) named
    ``lingbot-video-moe-30b-a3b`` and ``lingbot-video-dense-1.3b`` so the loaders' ``model``
    dropdowns hold the names the workflow uses, and copies the workflow's input image;
 2. starts a headless ComfyUI on CPU with this pack linked (``tests/comfy_host.ComfyServer``), and
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     from PIL import Image  # ComfyUI's dependency: present in the project venv
 
     from comfy_host import ComfyServer
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     chromium = find_chromium(args.chromium)
     workflow = json.loads(args.workflow.read_text())

@@ -24,7 +24,7 @@ TINY = dict(height=64, width=96, num_frames=5, steps=3)
 @pytest.fixture(scope="session")
 def packages(tmp_path_factory):
     """Tiny packages: fp32 dense, fp32 MoE (+ refiner), release-like bf16 dense, sharded MoE."""
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = tmp_path_factory.mktemp("packages")
     return {
@@ -37,7 +37,7 @@ def packages(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def broken_packages(tmp_path_factory):
-    from lingbot_core.fixtures import write_broken_packages
+    from lingbot_core.testing.fixtures import write_broken_packages
 
     return write_broken_packages(tmp_path_factory.mktemp("broken"))
 
@@ -117,7 +117,7 @@ def memory_packages(tmp_path_factory):
     """Dense packages (with a refiner) big enough to measure RSS with; deleted after the session."""
     import shutil
 
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = tmp_path_factory.mktemp("memory-packages")
     # fp32 on disk and on the CPU: no cast, so the weights stay memory-mapped (the path a release

@@ -108,7 +108,7 @@ def assert_placed_on_hook_device(requests, functions):
         assert placements(requests, fn) == {FAKE}, f"{fn} did not place its inputs on the hook's execution device"
 
 
-# -- two fake devices (components placed on different accelerators, lingbot_core/placement.py) -----
+# -- two fake devices (components placed on different accelerators, lingbot_core/memory/placement.py) -----
 
 FAKE_B = torch.device("cuda", 4)
 

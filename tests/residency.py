@@ -35,7 +35,7 @@ from unittest import mock
 import torch
 from accelerate.hooks import AlignDevicesHook, CpuOffload
 
-from lingbot_core.offload import StreamUnit
+from lingbot_core.memory.offload import StreamUnit
 
 
 def _nbytes(module, recurse):

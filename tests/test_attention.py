@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from diffusers.models import attention_dispatch
 
 from lingbot_core import load_pipeline
-from lingbot_core.attention import ATTENTION_CHOICES, diffusers_backend
-from lingbot_core.fixtures import dit_config, dit_state_dict
-from lingbot_core.transformer import Attention, LingBotVideoTransformer3DModel, apply_rope, rope_frequencies, rope_position_ids
+from lingbot_core.model.attention import ATTENTION_CHOICES, diffusers_backend
+from lingbot_core.testing.fixtures import dit_config, dit_state_dict
+from lingbot_core.model.transformer import Attention, LingBotVideoTransformer3DModel, apply_rope, rope_frequencies, rope_position_ids
 
 CUDA = torch.device("cuda", 0)  # only named: nothing runs on it
 

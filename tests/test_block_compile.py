@@ -14,7 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from lingbot_core import load_pipeline
-from lingbot_core.block_compile import RECOMPILE_LIMIT, blocks_compiled
+from lingbot_core.model.block_compile import RECOMPILE_LIMIT, blocks_compiled
 
 pytestmark = pytest.mark.compile
 

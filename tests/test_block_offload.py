@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core import OFFLOAD_MODES, host_memory, load_pipeline
-from lingbot_core.fixtures import dit_config, write_dit, write_package
-from lingbot_core.offload import BlockStreamer
+from lingbot_core import OFFLOAD_MODES, load_pipeline
+from lingbot_core.memory import host_memory
+from lingbot_core.testing.fixtures import dit_config, write_dit, write_package
+from lingbot_core.memory.offload import BlockStreamer
 from residency import ResidencyTracker
 from test_offload import FAKE, SIZE, assert_placed_on_hook_device, fake_accelerator, only
 
@@ -65,7 +66,7 @@ def largest_stream_unit(module) -> int:
 
 
 def _hooks_of(module):
-    from lingbot_core.offload import _hooks
+    from lingbot_core.memory.offload import _hooks
 
     return _hooks(module)
 

@@ -13,9 +13,9 @@ from safetensors.torch import save_file
 
 from conftest import TINY
 from lingbot_core import load_pipeline
-from lingbot_core.checkpoint_files import (ModelPackageError, SafetensorsReader, is_safetensors, safetensors_files,
+from lingbot_core.files.checkpoint_files import (ModelPackageError, SafetensorsReader, is_safetensors, safetensors_files,
                                            safetensors_header)
-from lingbot_core.lora import LoraError
+from lingbot_core.model.lora import LoraError
 
 PROMPT = "a red fox running through snow"
 RUN = dict(TINY, guidance_scale=3.0, seed=7)

@@ -9,16 +9,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lingbot_core import load_pipeline
-from lingbot_core.checkpoint_files import ModelPackageError
-from lingbot_core.gguf_fixtures import package_state
+from lingbot_core.files.checkpoint_files import ModelPackageError
+from lingbot_core.testing.gguf_fixtures import package_state
 
 RUN = dict(height=32, width=32, num_frames=5, steps=2, seed=7, guidance_scale=1.0, output_type="pt")
 
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    from lingbot_core.fixtures import tiny_wan21_vae, write_package
-    from lingbot_core.vae_layout import write_original_wan21
+    from lingbot_core.testing.fixtures import tiny_wan21_vae, write_package
+    from lingbot_core.files.vae_layout import write_original_wan21
 
     root = tmp_path_factory.mktemp("files")
     pkg = write_package(root / "pkg", fp32=True, refiner=False, seed=4)
@@ -98,9 +98,9 @@ def test_gguf_refusals(tmp_path):
     gguf = pytest.importorskip("gguf")
     import numpy as np
 
-    from lingbot_core.fixtures import dit_config
-    from lingbot_core.gguf_fixtures import write_gguf_dit
-    from lingbot_core.dit_files import DitFile
+    from lingbot_core.testing.fixtures import dit_config
+    from lingbot_core.testing.gguf_fixtures import write_gguf_dit
+    from lingbot_core.model.dit_files import DitFile
 
     flux = tmp_path / "flux1-dev-Q4_K_S.gguf"
     w = gguf.GGUFWriter(str(flux), "flux")
@@ -128,8 +128,8 @@ def test_gguf_refusals(tmp_path):
 def test_fp8_single_file_with_key_scale_tensors(files, tmp_path):
     """ALX-CODE's fp8 dense files: F8_E4M3 weights with an fp32 ``<key>_scale`` [1] each; read as weight * scale
     (fp32), or kept fp8 with that scale under an fp8 precision."""
-    from lingbot_core.dit_files import load_dit_file
-    from lingbot_core.gguf_fixtures import package_config
+    from lingbot_core.model.dit_files import load_dit_file
+    from lingbot_core.testing.gguf_fixtures import package_config
 
     state = package_state(files["pkg"])
     out, want = {}, {}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lingbot_core.fixtures import write_package
+from lingbot_core.testing.fixtures import write_package
 from test_nodes_comfy import (
     EXAMPLE_IMAGE, EXAMPLES, FRAMES, H, MOE, SHORT_CAPTION, W, check_caption, decode_video, example_as_api,
     generate, loader, node_files, nodes_of, patch_nodes, progress_events, save_image, saved_frames,

@@ -18,8 +18,8 @@ import torch
 from PIL import Image
 
 from lingbot_core import OFFLOAD_MODES, load_pipeline
-from lingbot_core.fixtures import write_package
-from lingbot_core.scheduling import (
+from lingbot_core.testing.fixtures import write_package
+from lingbot_core.sampling.scheduling import (
     DMD_SCHEDULER_CLASS, DMDStudentSampler, ddim_ancestral_std, dmd_package_reason, dmd_settings, dmd_sigmas,
     model_timestep,
 )

@@ -1,4 +1,4 @@
-"""Fast CPU tests of lingbot_core.fixtures (tiny random-weight packages in the released layout)."""
+"""Fast CPU tests of lingbot_core.testing.fixtures (tiny random-weight packages in the released layout)."""
 
 import hashlib
 import json
@@ -9,13 +9,13 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run standalone, without a conftest
 
-from lingbot_core import fixtures as fx  # noqa: E402  (sets the offline env vars before transformers)
+from lingbot_core.testing import fixtures as fx  # noqa: E402  (sets the offline env vars before transformers)
 
 import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island  # noqa: E402
+from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island  # noqa: E402
 
 
 @pytest.fixture(scope="module")

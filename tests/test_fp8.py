@@ -8,12 +8,12 @@ import torch
 from safetensors.torch import save_file
 
 from lingbot_core import load_pipeline
-from lingbot_core.fixtures import dit_config, dit_state_dict
-from lingbot_core.fp8 import (
+from lingbot_core.testing.fixtures import dit_config, dit_state_dict
+from lingbot_core.files.fp8 import (
     FP8_DTYPES, e4m3_relative_rms_bound, is_fp8, is_quantized_name, quantize, scale_name, stored_in_compute_dtype,
 )
 from lingbot_core.loading import ModelPackageError, load_transformer
-from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
 RUN = dict(height=64, width=96, num_frames=5, steps=2, seed=7, output_type="latent")
 FULL_MOE = dict(depth=48, axes_lens=[4096, 512, 512], num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
@@ -229,7 +229,7 @@ def _fp8_moe(num_experts, seed=0):
 
     Expert e's weights are scaled by 4^(e mod 5 - 2), so the experts' power-of-two scales differ (as in a
     real MoE), and the bf16 twin is built by hand from the fp8 bits and each expert's own scale."""
-    from lingbot_core.transformer import MoEFeedForward
+    from lingbot_core.model.transformer import MoEFeedForward
 
     g = torch.Generator().manual_seed(seed)
     ffn = MoEFeedForward(MOE_DIM, dict(MOE_CFG, num_experts=num_experts))
@@ -262,7 +262,7 @@ def test_fp8_moe_uses_each_experts_scale(grouped):
 
     ffn, twin = _fp8_moe(16)
     f = torch.randn(2, 37, MOE_DIM, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    with torch.no_grad(), mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=grouped):
+    with torch.no_grad(), mock.patch("lingbot_core.model.transformer._use_grouped_mm", return_value=grouped):
         out, expected = ffn(f, torch.bfloat16), twin(f, torch.bfloat16)
     assert torch.equal(out, expected), (out.float() - expected.float()).abs().max()
     assert expected.float().abs().mean() > 0.01
@@ -318,7 +318,7 @@ def test_fp8_moe_dequantizes_each_stack_once_whatever_the_expert_count():
 
 def test_fp8_linear_makes_one_weight_temporary():
     """An fp8 Linear forward allocates one bf16 copy of its weight (the cast), scaled in place."""
-    from lingbot_core.transformer import Linear
+    from lingbot_core.model.transformer import Linear
 
     lin = Linear(64, 32, bias=True)
     q, scale = quantize(lin.weight.data, torch.float8_e4m3fn)

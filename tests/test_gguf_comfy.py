@@ -18,7 +18,7 @@ EXAMPLE = "lingbot_moe_gguf_4step_lora"
 
 @pytest.fixture(scope="module")
 def server(comfy_server, packages):
-    from lingbot_core.gguf_fixtures import package_state, write_gguf_dit
+    from lingbot_core.testing.gguf_fixtures import package_state, write_gguf_dit
 
     loras = comfy_server.models_dir / "loras"
     loras.mkdir(parents=True, exist_ok=True)

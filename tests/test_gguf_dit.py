@@ -8,8 +8,8 @@ import torch
 gguf = pytest.importorskip("gguf")
 
 from lingbot_core import load_pipeline
-from lingbot_core.checkpoint_files import ModelPackageError
-from lingbot_core.gguf_fixtures import package_state, write_gguf_dit, write_oracle_package
+from lingbot_core.files.checkpoint_files import ModelPackageError
+from lingbot_core.testing.gguf_fixtures import package_state, write_gguf_dit, write_oracle_package
 
 RUN = dict(height=32, width=32, num_frames=5, steps=2, seed=7, guidance_scale=1.0, output_type="latent")
 # A DiT whose rows are whole K-quant blocks (256 values), with 16 experts so that an index read as text
@@ -21,7 +21,7 @@ MODES = ("none", "model", "sequential", "block")
 
 @pytest.fixture(scope="module")
 def gguf_root(tmp_path_factory):
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = tmp_path_factory.mktemp("gguf")
     pkg = write_package(root / "pkg", moe=True, fp32=True, refiner=False, seed=3, dit=GGUF_DIT)
@@ -82,7 +82,7 @@ def test_quantized_bytes_are_views_of_the_mapped_file(gguf_root):
     path, oracle, _ = _case(gguf_root, "Q4_0", "rebel")
     pipe = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"}, transformer_file=path)
     try:
-        from lingbot_core.checkpoint_files import GGUFFile
+        from lingbot_core.files.checkpoint_files import GGUFFile
 
         f = GGUFFile(path)
         base = f.mapped().data_ptr()
@@ -150,7 +150,7 @@ def test_lora_on_a_gguf_dit_runs_as_run_time_adapters(gguf_root, tmp_path):
 def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root):
     """The lazy path (ComfyUI's loader): the RAM budget counts the quantized weights at their mapped size
     (what the loaded DiT really holds), and the handle generates the package's frames in offload block."""
-    from lingbot_core.memory import package_bytes
+    from lingbot_core.memory.budget import package_bytes
     from lingbot_core.pipeline_pool import PipelinePool
 
     path, oracle, values = _case(gguf_root, "Q4_K", "sdcpp")

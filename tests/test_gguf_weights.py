@@ -6,8 +6,8 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from lingbot_core import gguf_weights
-from lingbot_core.gguf_fixtures import random_blocks
+from lingbot_core.files import gguf_weights
+from lingbot_core.testing.gguf_fixtures import random_blocks
 
 KINDS = gguf_weights.QUANTIZED_TYPE_NAMES
 

@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from lingbot_core import ModelPackageError, load_pipeline
-from lingbot_core.latents import MAX_COVER_PIXELS
+from lingbot_core.model.latents import MAX_COVER_PIXELS
 from residency import ResidencyTracker
 
 MODES = ("none", "model", "sequential")

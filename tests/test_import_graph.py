@@ -1,36 +1,84 @@
-"""The core's modules import one another one way only (imports inside functions count too).
+"""The repository's modules import one another one way only (imports inside functions count too), and
+lingbot_core's wings keep their layers.
 
-A cycle is how a "bottom" module starts depending on the loader again: the file-I/O module
-(checkpoint_files) must stay importable without the model, the pipeline or the loader.
+A cycle is how a "bottom" module starts depending on the loader again. The wings' directions are the
+ones their ``__init__.py`` states: files/ at the bottom, model/ above it, memory/ and sampling/ beside
+each other above the model, net/ on its own with prompts/ above it; no wing imports the top-level
+modules (loading, pipeline, pipeline_pool, cli, remote), and the product never imports testing/.
 """
 
 import ast
 from pathlib import Path
 
-CORE = Path(__file__).resolve().parents[1] / "lingbot_core"
+REPO = Path(__file__).resolve().parents[1]
+ROOTS = ("lingbot_core", "nodes", "bench", "scripts")
+
+# wing -> the other wings it may import
+WING_RULES = {
+    "files": set(),
+    "model": {"files"},
+    "memory": {"files", "model"},
+    "sampling": {"model"},
+    "net": set(),
+    "prompts": {"net"},
+    "testing": {"files", "model"},
+}
+MAX_TOP_MODULES = 8
 
 
-def core_imports(path: Path) -> set:
-    """The ``lingbot_core`` modules ``path`` imports, by module name, wherever the import statement is."""
+def module_name(path: Path, repo: Path) -> str:
+    parts = list(path.relative_to(repo).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _package_of(path: Path, name: str) -> str:
+    return name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+
+def imports_of(path: Path, name: str, known: set) -> set:
+    """The repository modules ``path`` imports, by dotted name, wherever the import statement is."""
+    package = _package_of(path, name)
     found = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-        if isinstance(node, ast.ImportFrom) and node.level == 1:
-            if node.module:
-                found.add(node.module.split(".")[0])
-            else:  # from . import a, b
-                found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("lingbot_core."):
-            found.add(node.module.split(".")[1])
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".") if package else []
+                base = base[: len(base) - (node.level - 1)] if node.level > 1 else base
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            # ``from pkg import mod`` depends on pkg.mod; on pkg itself only for names that are not modules
+            subs = [f"{target}.{a.name}" if target else a.name for a in node.names]
+            candidates = [s for s in subs if s in known]
+            if len(candidates) < len(subs):
+                candidates.append(target)
         elif isinstance(node, ast.Import):
-            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("lingbot_core."))
+            candidates = [a.name for a in node.names]
+        else:
+            continue
+        for cand in candidates:
+            # "import a.b.c" also runs a and a.b; the deepest known module is the edge that matters
+            while cand and cand not in known:
+                cand = cand.rpartition(".")[0]
+            if cand:
+                found.add(cand)
     return found
 
 
-def import_graph(root: Path = CORE) -> dict:
-    modules = {p.stem for p in root.glob("*.py")}
-    # The package's __init__ and __main__ re-export; they are entry points, not modules others build on.
-    return {p.stem: sorted(core_imports(p) & modules - {p.stem}) for p in root.glob("*.py")
-            if p.stem not in ("__init__", "__main__")}
+def repo_graph(repo: Path = REPO, roots=ROOTS) -> dict:
+    files = {}
+    for root in roots:
+        for path in (repo / root).rglob("*.py"):
+            files[module_name(path, repo)] = path
+    known = set(files)
+    graph = {}
+    for name, path in files.items():
+        # a package's __init__ importing its own submodules (re-exports) is no dependency of theirs
+        deps = imports_of(path, name, known) - {name}
+        graph[name] = sorted(d for d in deps if not name.startswith(d + ".") and not (d == name.partition(".")[0]))
+    return graph
 
 
 def find_cycle(graph: dict):
@@ -42,7 +90,7 @@ def find_cycle(graph: dict):
         stack.append(node)
         for nxt in graph.get(node, ()):
             if nxt not in graph:
-                continue  # __init__ (``from . import x`` of a package-level name)
+                continue
             if state.get(nxt) == "open":
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state:
@@ -61,22 +109,96 @@ def find_cycle(graph: dict):
     return None
 
 
-def test_core_import_graph_has_no_cycle():
-    cycle = find_cycle(import_graph())
-    assert cycle is None, "lingbot_core modules import one another in a circle: " + " -> ".join(cycle)
+def wing_of(name: str):
+    """``files`` for lingbot_core.files.fp8, None for a top-level core module or anything outside the core."""
+    parts = name.split(".")
+    if parts[0] != "lingbot_core" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in WING_RULES else None
 
 
-def test_file_io_module_is_at_the_bottom():
-    graph = import_graph()
-    assert set(graph["checkpoint_files"]) <= {"fp8"}, graph["checkpoint_files"]
-    for user in ("loading", "lora", "memory", "vae_layout"):
-        assert "checkpoint_files" in graph[user], user
+def wing_violations(graph: dict) -> list:
+    bad = []
+    for name, deps in graph.items():
+        if not name.startswith("lingbot_core"):
+            continue
+        for dep in deps:
+            if not dep.startswith("lingbot_core"):
+                bad.append(f"{name} -> {dep} (the core imports nothing of the pack's hosts, benches or scripts)")
+                continue
+            here, there = wing_of(name), wing_of(dep)
+            if there == "testing" and here != "testing":
+                bad.append(f"{name} -> {dep} (the product never imports the test fixtures)")
+            elif here is None or here == there or dep == "lingbot_core":
+                continue
+            elif there is None:
+                bad.append(f"{name} -> {dep} (a wing never imports the top-level modules)")
+            elif there not in WING_RULES[here]:
+                bad.append(f"{name} -> {dep} ({here}/ may import {sorted(WING_RULES[here]) or 'nothing of the pack'})")
+    return bad
 
 
-def test_the_walk_sees_imports_inside_functions(tmp_path):
-    (tmp_path / "a.py").write_text("def f():\n    from .b import x\n")
-    (tmp_path / "b.py").write_text("from . import a\n")
-    (tmp_path / "c.py").write_text("import lingbot_core.a\n")
-    graph = import_graph(tmp_path)
-    assert graph == {"a": ["b"], "b": ["a"], "c": ["a"]}
-    assert find_cycle(graph) in (["a", "b", "a"], ["b", "a", "b"])
+def test_repository_import_graph_has_no_cycle():
+    cycle = find_cycle(repo_graph())
+    assert cycle is None, "modules import one another in a circle: " + " -> ".join(cycle)
+
+
+def test_wings_import_only_in_their_stated_directions():
+    assert wing_violations(repo_graph()) == []
+
+
+def test_every_wing_is_a_package_with_its_rule_stated():
+    core = REPO / "lingbot_core"
+    wings = {p.name for p in core.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert wings == set(WING_RULES)
+    for wing in wings:
+        doc = ast.get_docstring(ast.parse((core / wing / "__init__.py").read_text(encoding="utf-8")))
+        assert doc and "import" in doc.lower(), f"lingbot_core/{wing}/__init__.py must say what it may import"
+
+
+def test_the_core_top_level_stays_short():
+    top = sorted(p.name for p in (REPO / "lingbot_core").glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, top
+
+
+def test_nodes_benches_and_scripts_keep_their_places():
+    graph = repo_graph()
+    for name, deps in graph.items():
+        root = name.partition(".")[0]
+        for dep in deps:
+            dep_root = dep.partition(".")[0]
+            if root == "nodes":
+                assert dep_root in ("nodes", "lingbot_core"), (name, dep)
+                assert wing_of(dep) != "testing", (name, dep)
+            if root == "bench":
+                assert dep_root in ("bench", "lingbot_core"), (name, dep)
+
+
+def test_the_walk_sees_imports_inside_functions_and_relative_levels(tmp_path):
+    core = tmp_path / "lingbot_core"
+    (core / "files").mkdir(parents=True)
+    (core / "model").mkdir()
+    (core / "__init__.py").write_text("")
+    (core / "files" / "__init__.py").write_text("")
+    (core / "model" / "__init__.py").write_text("")
+    (core / "pipeline.py").write_text("from .model import net\n")
+    (core / "files" / "reader.py").write_text("def f():\n    from ..model.net import x\n")
+    (core / "model" / "net.py").write_text("from ..files import reader\n")
+    graph = repo_graph(tmp_path, roots=("lingbot_core",))
+    assert graph["lingbot_core.files.reader"] == ["lingbot_core.model.net"]
+    assert graph["lingbot_core.model.net"] == ["lingbot_core.files.reader"]
+    assert graph["lingbot_core.pipeline"] == ["lingbot_core.model.net"]
+    assert find_cycle(graph) is not None
+    assert wing_violations(graph) == ["lingbot_core.files.reader -> lingbot_core.model.net (files/ may import nothing of the pack)"]
+
+
+def test_a_wrong_way_import_in_the_real_tree_is_caught(tmp_path):
+    """The real core, copied, with one wrong-way import planted (the file reader importing the pipeline)."""
+    import shutil
+
+    shutil.copytree(REPO / "lingbot_core", tmp_path / "lingbot_core", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "lingbot_core" / "files" / "checkpoint_files.py"
+    target.write_text(target.read_text(encoding="utf-8") + "\n\ndef _planted():\n    from ..pipeline import LingbotPipeline\n")
+    graph = repo_graph(tmp_path, roots=("lingbot_core",))
+    assert any("files.checkpoint_files -> lingbot_core.pipeline" in v for v in wing_violations(graph))
+    assert find_cycle(graph) is not None

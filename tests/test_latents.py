@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from PIL import Image
 
 from lingbot_core import Posterior
-from lingbot_core.fixtures import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, tiny_vae
-from lingbot_core.latents import (
+from lingbot_core.testing.fixtures import WAN21_LATENTS_MEAN, WAN21_LATENTS_STD, tiny_vae
+from lingbot_core.model.latents import (
     LatentNormalizer, check_video_size, crop_to_aspect, image_to_uint8, latent_shape, preprocess_first_frame,
     resize_frames, vae_tiling,
 )
-from lingbot_core.refiner import refiner_frame_indices
+from lingbot_core.model.refiner import refiner_frame_indices
 
 # ---------------------------------------------------------------------------------------------
 # DiT space (§7.2)
@@ -343,7 +343,7 @@ def test_tiled_decode_streams_tiles_to_the_host_with_diffusers_numbers(shape):
     """The tiled decode gives diffusers' tiled decode bit for bit, and each tile's finished part is copied
     to the host right after that tile is decoded, before the next tile's first decoder call: the device
     never holds more than one row of tiles and the overlap above it."""
-    from lingbot_core.latents import vae_decode
+    from lingbot_core.model.latents import vae_decode
 
     vae = tiny_vae(seed=2)
     z = torch.randn(shape, generator=torch.Generator().manual_seed(3))
@@ -381,7 +381,7 @@ def test_tiled_decode_streams_tiles_to_the_host_with_diffusers_numbers(shape):
 def test_untiled_decode_and_encode_unchanged():
     """Without tiling the decode is diffusers' decode post-processed in frame chunks (the same bits), and
     the chunked encode input gives the moments of the whole-video formula."""
-    from lingbot_core.latents import CHUNK_FRAMES, vae_decode, vae_encode
+    from lingbot_core.model.latents import CHUNK_FRAMES, vae_decode, vae_encode
 
     vae = tiny_vae(seed=4)
     z = torch.randn(1, 16, 3, 4, 6, generator=torch.Generator().manual_seed(5))

@@ -11,8 +11,8 @@ from safetensors.torch import load_file
 
 import lingbot_core
 from lingbot_core import ModelPackageError, load_pipeline
-from lingbot_core.fixtures import BROKEN_MISSING_KEY, BROKEN_UNEXPECTED_KEY, BROKEN_WRONG_SHAPE_KEY
-from lingbot_core.transformer import is_fp32_island
+from lingbot_core.testing.fixtures import BROKEN_MISSING_KEY, BROKEN_UNEXPECTED_KEY, BROKEN_WRONG_SHAPE_KEY
+from lingbot_core.model.transformer import is_fp32_island
 
 TINY = dict(height=64, width=96, num_frames=5, steps=2, seed=0)
 
@@ -84,7 +84,7 @@ def test_unknown_transformer_subfolder(packages):
 
 
 def test_unsupported_scheduler_config(tmp_path):
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     root = write_package(tmp_path / "pkg", fp32=True, refiner=False)
     path = root / "scheduler" / "scheduler_config.json"

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lingbot_core import OFFLOAD_MODES, load_pipeline
-from lingbot_core.scheduling import shifted_sigmas
+from lingbot_core.sampling.scheduling import shifted_sigmas
 from residency import ResidencyTracker
 from test_block_offload import DEPTH, deep_package  # noqa: F401 (fixture)
 from test_offload import RUN

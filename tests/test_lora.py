@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from conftest import TINY
 from lingbot_core import load_pipeline
-from lingbot_core.fixtures import dit_config
-from lingbot_core.lora import LoraError, parse_lora_arg
+from lingbot_core.testing.fixtures import dit_config
+from lingbot_core.model.lora import LoraError, parse_lora_arg
 
 PROMPT = "a red fox running through snow"
 RUN = dict(TINY, guidance_scale=3.0, seed=7)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from bench.moe_ffn import before, issue10
-from lingbot_core.transformer import MoEFeedForward, route_tokens, run_experts
+from lingbot_core.model.transformer import MoEFeedForward, route_tokens, run_experts
 
 CFG = dict(num_experts=16, num_experts_per_tok=4, moe_intermediate_size=48, n_group=4, topk_group=2,
            n_shared_experts=1, routed_scaling_factor=2.5, score_func="sigmoid", norm_topk_prob=True)
@@ -41,7 +41,7 @@ def test_bit_identical_to_per_expert_loop(dtype, grouped):
     f = torch.randn(2, 97, DIM, generator=torch.Generator().manual_seed(1)).to(dtype)
     with torch.no_grad():
         expected = per_expert_loop(ffn, f)
-        with mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=grouped):
+        with mock.patch("lingbot_core.model.transformer._use_grouped_mm", return_value=grouped):
             if grouped and not hasattr(torch, "_grouped_mm"):
                 pytest.skip("this torch has no _grouped_mm")
             out = ffn(f, dtype)
@@ -58,7 +58,7 @@ def test_unused_experts_and_single_token():
     f = torch.randn(1, 1, DIM, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         for grouped in (True, False):
-            with mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=grouped):
+            with mock.patch("lingbot_core.model.transformer._use_grouped_mm", return_value=grouped):
                 assert torch.equal(ffn(f, torch.float32), per_expert_loop(ffn, f))
 
 
@@ -115,7 +115,7 @@ def test_no_host_sync_in_the_grouped_dispatch_one_in_the_loop():
             run_experts(tokens, ids, gates, ffn.experts, grouped=False)
         assert reads.calls == ["tolist"]
         if hasattr(torch, "_grouped_mm"):
-            with HostReads() as reads, mock.patch("lingbot_core.transformer._use_grouped_mm", return_value=True):
+            with HostReads() as reads, mock.patch("lingbot_core.model.transformer._use_grouped_mm", return_value=True):
                 ffn(f, torch.float32)
             assert reads.calls == []
     with HostReads() as reads, torch.no_grad():  # the counter sees what issue 10's dispatch did

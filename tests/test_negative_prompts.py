@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from lingbot_core import chat_client
-from lingbot_core.chat_client import ChatServer
-from lingbot_core.negative_prompts import auto_negative, edit_negative, serialize_negative
-from lingbot_core.text_conditioning import resolve_negative
+from lingbot_core.net import chat_client
+from lingbot_core.net.chat_client import ChatServer
+from lingbot_core.prompts.negative_prompts import auto_negative, edit_negative, serialize_negative
+from lingbot_core.prompts.text_conditioning import resolve_negative
 
 # Pinned in lingbot-video-model.md §6.7 (independent of the code's constants).
 VIDEO_SHA = "43704d85b3951aed0e1d31d2679c3ced979fc11b3c16658bd21286d086b8ea69"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lingbot_core.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
+from lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
 from lingbot_core.pipeline import MAX_TI2V_ASPECT
 
 pytestmark = pytest.mark.comfy

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from lingbot_core.text_conditioning import parse_prompt
+from lingbot_core.prompts.text_conditioning import parse_prompt
 
 from comfy_host import (
     _ordered_inputs,  # the harness's own widget ordering

@@ -17,7 +17,7 @@ from accelerate.hooks import AlignDevicesHook, CpuOffload
 
 from fake_accelerator import FAKE, assert_placed_on_hook_device, fake_accelerator
 from lingbot_core import load_pipeline
-from lingbot_core.offload import Offloader, execution_device_of
+from lingbot_core.memory.offload import Offloader, execution_device_of
 from residency import ResidencyTracker
 
 SIZE = dict(height=64, width=96)
@@ -82,8 +82,8 @@ def test_ti2v_one_call(model_pipe, test_image):
 
 
 def test_separate_stages_prompt_image_denoise_decode(model_pipe, test_image):
-    from lingbot_core.latents import latent_shape
-    from lingbot_core.scheduling import shifted_sigmas
+    from lingbot_core.model.latents import latent_shape
+    from lingbot_core.sampling.scheduling import shifted_sigmas
 
     with ResidencyTracker(model_pipe) as tr, fake_accelerator(model_pipe) as req:
         leave_resident(model_pipe, tr)
@@ -119,7 +119,7 @@ def test_image_encode_after_complete_generate(model_pipe, test_image):
 
 
 def test_decode_alone_then_denoise(model_pipe):
-    from lingbot_core.scheduling import shifted_sigmas
+    from lingbot_core.sampling.scheduling import shifted_sigmas
 
     lat = model_pipe.generate("a cat", output_type="latent", **RUN)
     embeds = model_pipe.encode_prompt("a cat", num_frames=5)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from lingbot_core import load_pipeline
-from lingbot_core.latents import resize_frames
-from lingbot_core.refiner import first_frame_pixels, refiner_frame_indices
-from lingbot_core.scheduling import refiner_sigmas, timesteps_from_sigmas
+from lingbot_core.model.latents import resize_frames
+from lingbot_core.model.refiner import first_frame_pixels, refiner_frame_indices
+from lingbot_core.sampling.scheduling import refiner_sigmas, timesteps_from_sigmas
 
 H, W, F = 64, 96, 5
 BASE = dict(height=H, width=W, num_frames=F, steps=2)

@@ -18,7 +18,7 @@ import torch
 from fake_accelerator import FAKE, FAKE_B, fake_devices, placements
 from lingbot_core import load_pipeline
 from lingbot_core.pipeline_pool import PipelineSpec
-from lingbot_core.placement import check_component_devices, device_choices
+from lingbot_core.memory.placement import check_component_devices, device_choices
 from residency import ResidencyTracker
 
 A, B = FAKE, FAKE_B
@@ -92,8 +92,8 @@ def test_text_encoder_on_b_dit_on_a(pipe_and_reference, mode, vae_on):
 
 @pytest.mark.parametrize("mode", ["model", "sequential"])
 def test_nothing_resident_on_either_device_after_each_stage(pipe_and_reference, mode):
-    from lingbot_core.latents import latent_shape
-    from lingbot_core.scheduling import shifted_sigmas
+    from lingbot_core.model.latents import latent_shape
+    from lingbot_core.sampling.scheduling import shifted_sigmas
 
     pipe, image, _ = pipe_and_reference
     try:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lingbot_core.loading import default_dtypes
-from lingbot_core.precision import auto_dtypes, fp8_compute_dtype, grouped_mm_fast, grouped_mm_supported
+from lingbot_core.model.precision import auto_dtypes, fp8_compute_dtype, grouped_mm_fast, grouped_mm_supported
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 CUDA = torch.device("cuda", 0)
@@ -81,7 +81,7 @@ def test_grouped_mm_wherever_torch_runs_it():
     assert grouped_mm_supported(torch.device("cpu")) is False
     has = hasattr(torch, "_grouped_mm")
     assert grouped_mm_supported(CUDA, (9, 0)) is has and grouped_mm_supported(CUDA, (8, 6)) is False
-    import lingbot_core.precision as precision
+    import lingbot_core.model.precision as precision
     from unittest import mock
 
     calls = []

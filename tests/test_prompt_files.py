@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from lingbot_core.caption_checks import caption_warnings
-from lingbot_core.text_conditioning import (
+from lingbot_core.prompts.caption_checks import caption_warnings
+from lingbot_core.prompts.text_conditioning import (
     frames_for_prompt, negative_from_widget, parse_prompt, read_prompt_file,
 )
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from comfy_host import execution_error, executed_nodes, workflow_to_api
-from lingbot_core.server_list import LOCAL
+from lingbot_core.net.server_list import LOCAL
 from test_nodes_comfy import (
     EXAMPLE_IMAGE, EXAMPLES, FRAMES, H, MOE, REF_H, REF_W, W, _reset_comfy_cache, check_ui_format, decode_video,
     load_workflow, node_files, nodes_of, patch_nodes,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lingbot_core.memory import ram_budget_from_env
+from lingbot_core.memory.budget import ram_budget_from_env
 from lingbot_core.pipeline_pool import PipelinePool
 
 GIB = 1024 ** 3

@@ -14,9 +14,9 @@ import torch
 from PIL import Image
 
 from lingbot_core import load_pipeline
-from lingbot_core.latents import preprocess_first_frame
-from lingbot_core.scheduling import make_scheduler, model_timestep, refiner_sigmas, shifted_sigmas
-from lingbot_core.text_conditioning import (
+from lingbot_core.model.latents import preprocess_first_frame
+from lingbot_core.sampling.scheduling import make_scheduler, model_timestep, refiner_sigmas, shifted_sigmas
+from lingbot_core.prompts.text_conditioning import (
     DEFAULT_NEGATIVE_IMAGE, DEFAULT_NEGATIVE_VIDEO, parse_prompt, processor_inputs, vlm_image,
 )
 

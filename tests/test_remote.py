@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from lingbot_core.remote import RemoteServer, RemoteServerError, RemoteTimeoutError
-from lingbot_core.text_conditioning import DEFAULT_NEGATIVE_IMAGE, DEFAULT_NEGATIVE_VIDEO
+from lingbot_core.prompts.text_conditioning import DEFAULT_NEGATIVE_IMAGE, DEFAULT_NEGATIVE_VIDEO
 from remote_server import YUV_MAX_ABS, YUV_MIN_PSNR, Script, VideosServer, pattern
 
 MODEL = "robbyant/lingbot-video-moe-30b-a3b"

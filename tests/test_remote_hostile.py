@@ -20,8 +20,8 @@ import numpy as np
 import pytest
 
 from chat_server import ChatCompletionsServer, Reply
-from lingbot_core import chat_client
-from lingbot_core.chat_client import ChatServer, ChatServerError, chat, user_content
+from lingbot_core.net import chat_client
+from lingbot_core.net.chat_client import ChatServer, ChatServerError, chat, user_content
 from lingbot_core.remote import CANCEL_SECONDS, RemoteServer, RemoteServerError, RemoteTimeoutError
 from remote_server import Script, VideosServer, pattern, small_but_huge_mp4
 

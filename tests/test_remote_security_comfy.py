@@ -22,7 +22,7 @@ import pytest
 
 from comfy_host import ComfyServer, PromptValidationError, comfyui_unavailable_reason, execution_error, workflow_to_api
 from lingbot_core.remote import RemoteServer
-from lingbot_core.server_list import LOCAL
+from lingbot_core.net.server_list import LOCAL
 from remote_server import Script, VideosServer, small_but_huge_mp4
 from test_memory_comfy import _ram_kib
 from test_nodes_comfy import load_workflow, saved_frames

@@ -15,10 +15,10 @@ import pytest
 from PIL import Image
 
 from chat_server import Reply
-from lingbot_core import chat_client
-from lingbot_core.chat_client import ChatServer, ChatServerError
-from lingbot_core.rewriter import RewriteError, load_system_prompts, rewrite
-from lingbot_core.text_conditioning import parse_prompt
+from lingbot_core.net import chat_client
+from lingbot_core.net.chat_client import ChatServer, ChatServerError
+from lingbot_core.prompts.rewriter import RewriteError, load_system_prompts, rewrite
+from lingbot_core.prompts.text_conditioning import parse_prompt
 
 EXPAND, MAP = "base-vlm", "base-vlm-rewriter-lora"
 SYS = {

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.latents import latent_shape
-from lingbot_core.scheduling import check_sigmas, parse_sigmas, shifted_sigmas
+from lingbot_core.model.latents import latent_shape
+from lingbot_core.sampling.scheduling import check_sigmas, parse_sigmas, shifted_sigmas
 
 PROMPT = "a lighthouse at dusk"
 SIZE = dict(height=64, width=96, num_frames=5)

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.sampler import sample
-from lingbot_core.scheduling import (
+from lingbot_core.sampling.sampler import sample
+from lingbot_core.sampling.scheduling import (
     make_scheduler, model_timestep, refiner_sigmas, shifted_sigmas, timesteps_from_sigmas,
 )
 
@@ -297,7 +297,7 @@ def test_generate_rejects_bad_steps_and_shift(dense_pipe):
 
 def test_scheduler_config_shift_is_not_applied_twice(tmp_path):
     from lingbot_core import load_pipeline
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     a = write_package(tmp_path / "shift1", fp32=True, refiner=False, seed=5, scheduler_shift=1.0)
     b = write_package(tmp_path / "shift3", fp32=True, refiner=False, seed=5, scheduler_shift=3.0)

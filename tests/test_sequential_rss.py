@@ -25,7 +25,7 @@ MIB = 1024 ** 2
 CHILD = r"""
 import json, sys, threading
 from lingbot_core.loading import load_pipeline
-from lingbot_core.memory import return_freed_memory
+from lingbot_core.memory.budget import return_freed_memory
 
 def status():
     out = {}
@@ -55,7 +55,7 @@ print(json.dumps(result))
 
 @pytest.fixture(scope="module")
 def medium_package(tmp_path_factory):
-    from lingbot_core.fixtures import write_package
+    from lingbot_core.testing.fixtures import write_package
 
     return write_package(tmp_path_factory.mktemp("seq-rss") / "pkg", fp32=True, seed=4, dit=MEMORY_DIT_MEDIUM,
                          refiner=False)

@@ -1,4 +1,4 @@
-"""The user's server list (lingbot_core.server_list): what a workflow may choose, and where a key may go.
+"""The user's server list (lingbot_core.net.server_list): what a workflow may choose, and where a key may go.
 
 Messages are checked for what a user needs (the file, the entry, how to fix it) and for what must
 never be in them (a key, a password).
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lingbot_core.server_list import (ENV, LOCAL, ServerListError, api_key_from_env, read_servers, select_server,
+from lingbot_core.net.server_list import (ENV, LOCAL, ServerListError, api_key_from_env, read_servers, select_server,
                                       server_names, servers_path)
 
 SECRET = "sk-live-0123456789abcdef"

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core.step_cache import MAX_THRESHOLD, StepCache, check_step_cache, make_step_cache
+from lingbot_core.sampling.step_cache import MAX_THRESHOLD, StepCache, check_step_cache, make_step_cache
 
 RUN = dict(height=64, width=96, num_frames=5, steps=12, seed=3)
 

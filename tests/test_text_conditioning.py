@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lingbot_core import frames_for_duration, parse_prompt, serialize_caption
-from lingbot_core.text_conditioning import (
+from lingbot_core.prompts.text_conditioning import (
     DEFAULT_NEGATIVE_IMAGE, DEFAULT_NEGATIVE_VIDEO, IMAGE_TOKENS, PROMPT_TEMPLATE, smart_resize, vlm_image,
 )
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lingbot_core.fixtures import dit_config, dit_state_dict
-from lingbot_core.transformer import (
+from lingbot_core.testing.fixtures import dit_config, dit_state_dict
+from lingbot_core.model.transformer import (
     LingBotVideoTransformer3DModel, MoEFeedForward, SwiGLU, TransformerBlock, apply_rope, is_fp32_island, patchify,
     rope_frequencies, rope_position_ids, route_tokens, timestep_projection, unpatchify,
 )
@@ -554,7 +554,7 @@ def test_rope_table_is_cached_exactly_and_bounded():
     ROPE_CACHE_SIZE entries are kept; clear_rope_cache empties it."""
     from unittest import mock
 
-    import lingbot_core.transformer as tr
+    import lingbot_core.model.transformer as tr
 
     model = _tiny_model(False)
     cfg = model.config

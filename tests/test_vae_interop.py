@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from lingbot_core.loading import ModelPackageError
-from lingbot_core.vae_layout import load_original_wan21, to_original_wan21
+from lingbot_core.files.vae_layout import load_original_wan21, to_original_wan21
 
 from comfy_host import comfyui_unavailable_reason, execution_error, find_comfyui_dir
 
@@ -55,7 +55,7 @@ def _shapes(state):
 def wan21_package(packages, tmp_path_factory):
     """The tiny dense package with a VAE of the released Wan 2.1 architecture (width 4): ComfyUI builds
     only that architecture (the shared tiny VAE has dim_mult [1, 1, 1, 1] to stay small)."""
-    from lingbot_core.fixtures import tiny_wan21_vae
+    from lingbot_core.testing.fixtures import tiny_wan21_vae
 
     root = tmp_path_factory.mktemp("wan21vae") / WAN_MODEL
     shutil.copytree(packages["dense"], root)
@@ -93,7 +93,7 @@ def test_tiny_test_vae_maps_onto_comfyui_wan21_names_and_shapes(comfy_probe, wan
 def test_vae_that_comfyui_cannot_build_is_refused_with_the_reason(packages, tmp_path):
     with pytest.raises(ModelPackageError, match=r"dim_mult=\[1, 1, 1, 1\].*\[1, 2, 4, 4\]"):
         load_original_wan21(packages["dense"])  # the shared tiny VAE is narrower than Wan 2.1
-    from lingbot_core.fixtures import tiny_wan21_vae
+    from lingbot_core.testing.fixtures import tiny_wan21_vae
 
     vae = tiny_wan21_vae()
     state = dict(vae.state_dict(), **{"decoder.extra.weight": torch.zeros(1)})

@@ -1,7 +1,7 @@
 """A pipeline's speed options (attention kernel, block compile, CFG lockstep), applied without a reload.
 
 The step cache is not here: it is a per-run argument (``generate(..., step_cache=...)``), see
-:mod:`lingbot_core.step_cache`.
+:mod:`lingbot_core.sampling.step_cache`.
 """
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .attention import check_attention, diffusers_backend
-from .block_compile import compile_blocks, uncompile_blocks
+from ..model.attention import check_attention, diffusers_backend
+from ..model.block_compile import compile_blocks, uncompile_blocks
 
 logger = logging.getLogger("lingbot_core")
 
 
 @dataclass(frozen=True)
 class SpeedOptions:
-    """``attention``: sdpa | flash_attn | sage (lingbot_core.attention). ``compile_blocks``: torch.compile
-    each DiT block (lingbot_core.block_compile). ``cfg_lockstep``: run the two CFG branches through
+    """``attention``: sdpa | flash_attn | sage (lingbot_core.model.attention). ``compile_blocks``: torch.compile
+    each DiT block (lingbot_core.model.block_compile). ``cfg_lockstep``: run the two CFG branches through
     the DiT block by block in one call (same frames; half the weight traffic of a streaming offload)."""
 
     attention: str = "sdpa"

@@ -18,7 +18,7 @@ from typing import Dict, Optional, Tuple
 from PIL import Image
 
 from .caption_checks import caption_warnings
-from .chat_client import ChatServer, chat, image_data_url, user_content
+from ..net.chat_client import ChatServer, chat, image_data_url, user_content
 from .text_conditioning import compact_json, frames_for_duration
 
 MODES = ("t2v", "ti2v", "t2i")

@@ -18,7 +18,7 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint_files import safetensors_header
+from ..files.checkpoint_files import safetensors_header
 
 logger = logging.getLogger("lingbot_core")
 
@@ -137,8 +137,8 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
 
     ``files`` (component -> single file, as ``load_pipeline`` takes them) replace package components; a
     GGUF DiT counts its quantized weights at their mapped file size (they stay mapped)."""
-    from .checkpoint_files import safetensors_files
-    from .transformer import is_fp32_island
+    from ..files.checkpoint_files import safetensors_files
+    from ..model.transformer import is_fp32_island
 
     root = Path(model_dir)
     files = files or {}
@@ -150,7 +150,7 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
     ):
         single = files.get(comp)
         if single and comp == "transformer":
-            from .dit_files import DitFile, loaded_bytes, transformer_config
+            from ..model.dit_files import DitFile, loaded_bytes, transformer_config
 
             dit = DitFile(single)
             total += sum(loaded_bytes(dit, dtype, transformer_config(root, sub, single, dit)).values())
@@ -164,14 +164,14 @@ def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, 
     """Pinned host bytes offload ``block`` takes on a CUDA device: its staging buffers, each as large as
     the largest DiT block (tensors aligned as in the ring; headers only, no weights read). A GGUF DiT's
     blocks stream their quantized bytes."""
-    from .checkpoint_files import safetensors_files
+    from ..files.checkpoint_files import safetensors_files
     from .offload import RING_ALIGN, RING_SLOTS
-    from .transformer import is_fp32_island
+    from ..model.transformer import is_fp32_island
 
     folder = Path(model_dir) / transformer_subfolder
     per_block: Dict[str, int] = {}
     if transformer_file:
-        from .dit_files import DitFile, loaded_bytes, transformer_config
+        from ..model.dit_files import DitFile, loaded_bytes, transformer_config
 
         dit = DitFile(transformer_file)
         tables = [loaded_bytes(dit, dtype, transformer_config(Path(model_dir), transformer_subfolder, transformer_file, dit))]

@@ -24,8 +24,8 @@ from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.attention_dispatch import AttentionBackendName, dispatch_attention_fn
 from diffusers.models.modeling_utils import ModelMixin
 
-from . import gguf_weights
-from .fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
+from ..files import gguf_weights
+from ..files.fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
 from .precision import grouped_mm_supported
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
@@ -41,7 +41,7 @@ def is_fp32_island(name: str) -> bool:
     return any(part in FP32_ISLANDS for part in name.split("."))
 
 
-# Run-time LoRA adapters a Linear may carry (built by lingbot_core.lora; None when absent).
+# Run-time LoRA adapters a Linear may carry (built by lingbot_core.model.lora; None when absent).
 ADAPTER_PARAMS = ("lora_down", "lora_up", "lora_diff", "lora_diff_b")
 
 
@@ -65,16 +65,16 @@ class Linear(nn.Linear):
 
     The weights are cast per call, never in place, so fp32-island linears keep fp32 storage. The cast
     happens inside ``forward`` so that offload hooks on this module fire before its weights are read.
-    An fp8-stored weight carries a ``scale_weight`` buffer (see :mod:`lingbot_core.fp8`); otherwise
+    An fp8-stored weight carries a ``scale_weight`` buffer (see :mod:`lingbot_core.files.fp8`); otherwise
     that buffer is ``None`` and not part of the state dict. A GGUF-quantized weight is its raw block bytes
-    with ``weight_qtype`` set (see :mod:`lingbot_core.gguf_weights`), dequantized here on the input's device.
+    with ``weight_qtype`` set (see :mod:`lingbot_core.files.gguf_weights`), dequantized here on the input's device.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.register_buffer("scale_weight", None)
         self.weight_qtype = None
-        for name in ADAPTER_PARAMS:  # LoRA adapters, added at run time (see lingbot_core.lora)
+        for name in ADAPTER_PARAMS:  # LoRA adapters, added at run time (see lingbot_core.model.lora)
             self.register_parameter(name, None)
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -203,7 +203,7 @@ class Attention(nn.Module):
         self.norm_q = RMSNorm(head_dim, eps)
         self.norm_k = RMSNorm(head_dim, eps)
         self.to_out = Linear(dim, dim, bias=out_bias)
-        # The one attention dispatch point (diffusers' dispatcher); chosen per model, see lingbot_core.attention.
+        # The one attention dispatch point (diffusers' dispatcher); chosen per model, see lingbot_core.model.attention.
         self.backend = AttentionBackendName.NATIVE
 
     def forward(self, a: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -468,7 +468,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
     _supports_gradient_checkpointing = False
     _no_split_modules = ["TransformerBlock"]
-    _repeated_blocks = ["BlockCompute"]  # what compile_repeated_blocks compiles (lingbot_core.block_compile)
+    _repeated_blocks = ["BlockCompute"]  # what compile_repeated_blocks compiles (lingbot_core.model.block_compile)
     _keep_in_fp32_modules = sorted(FP32_ISLANDS)
 
     @register_to_config
@@ -598,7 +598,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
     # -- forward -----------------------------------------------------------------------------
 
     def set_attention_backend(self, backend) -> None:
-        """Route every attention through diffusers backend ``backend`` (checked by lingbot_core.attention)."""
+        """Route every attention through diffusers backend ``backend`` (checked by lingbot_core.model.attention)."""
         backend = AttentionBackendName(backend)
         for module in self.modules():
             if isinstance(module, Attention):
@@ -610,7 +610,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         ``encoder_hidden_states`` may be a list of CFG branches (lockstep): every branch shares the
         latent and timestep and is its own computation, block by block; a list of velocities is
-        returned. ``step_cache`` (a list with one entry per branch, see lingbot_core.step_cache) may
+        returned. ``step_cache`` (a list with one entry per branch, see lingbot_core.sampling.step_cache) may
         skip the block stack for a branch and reuse its cached residual.
         """
         cfg = self.config

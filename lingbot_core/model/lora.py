@@ -229,7 +229,7 @@ def _no_match_error(path: str, keys: Sequence[str]) -> LoraError:
 
 def _open(path: str):
     """A header-checked reader (offsets inside the file, known dtypes); nothing is executed."""
-    from .checkpoint_files import ModelPackageError, SafetensorsReader, is_safetensors
+    from ..files.checkpoint_files import ModelPackageError, SafetensorsReader, is_safetensors
 
     p = Path(path)
     if not is_safetensors(p):
@@ -468,7 +468,7 @@ def apply_stack(model: nn.Module, stack: Sequence[LoadedLora], merged: set, orig
     weight at a time, and puts the result back on the weight's home device.
     The model must be unhooked (weights on their home device); the caller re-installs offload.
     """
-    from .fp8 import FP8_COMPUTE_DTYPE, is_fp8
+    from ..files.fp8 import FP8_COMPUTE_DTYPE, is_fp8
 
     touched = {m for lora in stack for m in lora.modules}
     report = ApplyReport()

@@ -13,7 +13,7 @@ from typing import Dict, Iterable, List, Optional
 
 from PIL import Image
 
-from .chat_client import ChatServer, chat, image_data_url, user_content
+from ..net.chat_client import ChatServer, chat, image_data_url, user_content
 from .rewriter import RewriteError, parse_json_object
 from .text_conditioning import DEFAULT_NEGATIVE_IMAGE, DEFAULT_NEGATIVE_VIDEO
 

@@ -79,7 +79,7 @@ def encode(values: np.ndarray, qtype_name: str, rng: np.random.Generator) -> np.
 
 
 def _quantizable(name: str, shape, block: int, layout: str) -> bool:
-    from lingbot_core.transformer import is_fp32_island
+    from lingbot_core.model.transformer import is_fp32_island
 
     if shape[-1] % block:
         return False  # sd.cpp too keeps rows that are not whole blocks unquantized
@@ -194,7 +194,7 @@ def write_random_gguf_dit(path, config: dict, qtype_name: str, *, layout: str = 
     Returns the file's size in bytes."""
     import gguf
 
-    from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+    from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     with torch.device("meta"):
         model = LingBotVideoTransformer3DModel(**config)

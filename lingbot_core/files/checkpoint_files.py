@@ -3,7 +3,7 @@
 Safetensors headers (validated against the file size), tensor readers (memory-mapped or into a reused
 buffer), a component's file list (single file or the shards of an index; pickles refused), its
 ``config.json``, and one checkpoint tensor read again for a LoRA restore. Nothing here builds a model,
-so every other module may import it; it imports only :mod:`lingbot_core.fp8` (the checkpoint's fp8
+so every other module may import it; it imports only :mod:`lingbot_core.files.fp8` (the checkpoint's fp8
 scale convention).
 """
 

@@ -6,7 +6,7 @@ What a file may look like (docs/file-formats.md, "GGUF DiTs" and "DiT single fil
 - routed experts either stacked (one 3-D ``blocks.N.ffn.experts.w1``, optionally with ``.weight``:
   stable-diffusion.cpp) or one 2-D tensor per expert (``blocks.N.ffn.experts.w1.<e>.weight``:
   realrebelai's MoE GGUFs); per-expert tensors are matched by their index, never by file order;
-- GGUF: any of the block types of :mod:`lingbot_core.gguf_weights` or F32/F16/BF16, metadata optional
+- GGUF: any of the block types of :mod:`lingbot_core.files.gguf_weights` or F32/F16/BF16, metadata optional
   (sd.cpp writes none), so the file is recognised by its tensors (``patch_embedder.weight``) and the DiT
   config is inferred from tensor shapes (:func:`config_from_shapes`) unless a package config is given;
 - safetensors: fp8 weights with an fp32 ``<key>_scale`` (ALX-CODE) or ComfyUI's ``scale_weight``.
@@ -27,9 +27,9 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
-from . import gguf_weights
-from .checkpoint_files import GGUFFile, ModelPackageError, SafetensorsReader, read_config
-from .fp8 import FP8_COMPUTE_DTYPE, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_shape
+from ..files import gguf_weights
+from ..files.checkpoint_files import GGUFFile, ModelPackageError, SafetensorsReader, read_config
+from ..files.fp8 import FP8_COMPUTE_DTYPE, checkpoint_scale, dequantize, is_fp8, is_quantized_name, quantize, scale_shape
 from .transformer import Experts, Linear, LingBotVideoTransformer3DModel, is_fp32_island
 
 logger = logging.getLogger("lingbot_core")

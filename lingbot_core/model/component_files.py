@@ -19,10 +19,10 @@ from typing import Dict, Optional
 
 import torch
 
-from .checkpoint_files import ModelPackageError, SafetensorsReader, read_config
-from .fp8 import is_fp8
+from ..files.checkpoint_files import ModelPackageError, SafetensorsReader, read_config
+from ..files.fp8 import is_fp8
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 WAN21_VAE_CONFIG = DATA / "wan21_vae_config.json"
 
 _ORIGINAL_VAE_KEY = "decoder.middle.0.residual.0.gamma"

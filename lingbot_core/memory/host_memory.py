@@ -1,7 +1,7 @@
 """Page-locked (pinned) host memory of an exact size, and emptying PyTorch's pinned-memory cache.
 
 Offload ``block`` copies each DiT block through a few pinned staging buffers (see
-:class:`lingbot_core.offload.BlockRing`). They are allocated here with ``cudaHostRegister`` on a plain
+:class:`lingbot_core.memory.offload.BlockRing`). They are allocated here with ``cudaHostRegister`` on a plain
 host allocation, not through PyTorch's caching host allocator (``pin_memory()``,
 ``torch.empty(..., pin_memory=True)``): that allocator rounds every request up to a power of two
 (a 1.15 GiB MoE block would lock 2 GiB) and keeps freed blocks locked until

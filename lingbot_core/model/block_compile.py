@@ -1,7 +1,7 @@
 """torch.compile of the DiT, block by block ("regional compilation").
 
 ``compile_blocks`` calls diffusers' ``ModelMixin.compile_repeated_blocks``, which compiles every module
-whose class the model names in ``_repeated_blocks``: here :class:`~lingbot_core.transformer.BlockCompute`,
+whose class the model names in ``_repeated_blocks``: here :class:`~lingbot_core.model.transformer.BlockCompute`,
 one CFG branch through one block. That module holds no tensors and no offload hook (the hooks sit on
 the block around it), so dynamo traces the block's math only, and since all blocks share its code
 they share one compiled graph (two for the MoE: dense and MoE feed-forward). The sequence length is

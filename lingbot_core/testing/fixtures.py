@@ -4,7 +4,7 @@ Used by tests, the demo and benchmarks so the pack's real loader runs end to end
 Configs follow ``docs/test-fixtures.md`` (shared docs); every tensor is drawn from a seeded generator so
 two writes with the same arguments give byte-identical safetensors files.
 
-CLI: ``python -m lingbot_core.fixtures --out DIR [--moe] [--seed N] [--fp32] [--sharded] [--no-refiner] [--dmd]``
+CLI: ``python -m lingbot_core.testing.fixtures --out DIR [--moe] [--seed N] [--fp32] [--sharded] [--no-refiner] [--dmd]``
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from transformers.utils import logging as hf_logging
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from lingbot_core.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
 DIFFUSERS_VERSION = "0.42.1"
 
@@ -356,7 +356,7 @@ def write_broken_packages(out_root) -> dict[str, Path]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> Path:
-    p = argparse.ArgumentParser(prog="python -m lingbot_core.fixtures", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m lingbot_core.testing.fixtures", description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, help="package folder to write")
     p.add_argument("--moe", action="store_true", help="MoE DiT instead of dense")
     p.add_argument("--seed", type=int, default=0)
