@@ -67,9 +67,88 @@ def test_single_files_give_the_package_frames(files):
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_model_dir_is_required_for_the_processor(files):
-    with pytest.raises(ModelPackageError, match="processor"):
-        load_pipeline(None, device="cpu", transformer_file=files["dit"], text_encoder_file=files["te"], vae_file=files["vae"])
+def test_files_that_are_not_three_name_what_is_missing(files):
+    with pytest.raises(ModelPackageError, match=r"three files.*text_encoder_file, vae_file are missing"):
+        load_pipeline(None, device="cpu", transformer_file=files["dit"])
+    with pytest.raises(ModelPackageError, match=r"vae_file is missing"):
+        load_pipeline(None, device="cpu", transformer_file=files["dit"], text_encoder_file=files["te"])
+
+
+def _aligned(pipe):
+    """Every weight of the pipeline copied into fresh (64-byte aligned) memory: two loads then run the same CPU
+    kernels on alike layouts (issue 28), so their frames can be compared exactly."""
+    with torch.no_grad():
+        for module in (pipe.transformer, pipe.text_encoder, pipe.vae):
+            for p in module.parameters():
+                p.data = p.data.clone()
+            for name, b in list(module.named_buffers()):
+                owner, _, leaf = name.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                if b is not None and leaf in sub._buffers:
+                    sub._buffers[leaf] = b.clone()
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def three_files(tmp_path_factory):
+    """The three files alone (a Q8_0 GGUF DiT described by its shapes, a real-vocabulary Qwen3-VL file under
+    ComfyUI's names, a Wan 2.1 VAE of the original layout) and a package folder of the same weights that holds
+    the processor shipped with the pack."""
+    import json
+
+    from lingbot_core import load_processor
+    from lingbot_core.testing import file_fixtures as ff
+    from lingbot_core.testing.fixtures import MODEL_INDEX, tiny_wan21_vae
+
+    root = tmp_path_factory.mktemp("three")
+    held = ff.write_dit_gguf(root / "models" / "lingbot-files-dense-Q8_0.gguf", moe=False, seed=3)
+    te = ff.write_text_encoder_file(root / "models" / "qwen3vl_tiny.safetensors", seed=3)
+    vae = ff.write_wan21_vae_file(root / "models" / "wan_2.1_vae.safetensors", seed=3)
+    pkg = root / "pkg"
+    (pkg / "transformer").mkdir(parents=True)
+    (pkg / "model_index.json").write_text(json.dumps(MODEL_INDEX))
+    config = {"_class_name": "LingBotVideoTransformer3DModel", **ff.files_dit_config(False)}
+    (pkg / "transformer" / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in held.items()}, str(pkg / "transformer" / "diffusion_pytorch_model.safetensors"))
+    ff.tiny_text_encoder(3).save_pretrained(pkg / "text_encoder")
+    tiny_wan21_vae(3).save_pretrained(pkg / "vae")
+    load_processor(None).save_pretrained(pkg / "processor")
+    return {"dit": root / "models" / "lingbot-files-dense-Q8_0.gguf", "te": te, "vae": vae, "pkg": pkg,
+            "text_config": ff.TINY_TEXT_CONFIG}
+
+
+FP32 = {"transformer": "fp32", "text_encoder": "fp32"}
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "ti2v"])
+def test_three_files_alone_give_the_package_frames(three_files, image):
+    """load_pipeline(None, three files) == the same weights as a package folder holding the shipped processor."""
+    kw = dict(RUN, height=64, width=64)
+    if image:
+        g = torch.Generator().manual_seed(2)
+        kw["image"] = torch.rand(64, 64, 3, generator=g)
+    ref = _aligned(load_pipeline(three_files["pkg"], device="cpu", dtypes=FP32))
+    try:
+        want = ref.generate("a cat on a sofa, 一只猫 🐱", **kw)
+    finally:
+        ref.release()
+    pipe = load_pipeline(None, device="cpu", dtypes=FP32, transformer_file=three_files["dit"],
+                         text_encoder_file=three_files["te"], vae_file=three_files["vae"],
+                         text_encoder_config=three_files["text_config"])
+    try:
+        assert pipe.model_dir is None and len(pipe.processor.tokenizer) == 151669
+        assert pipe.text_encoder.config.text_config.vocab_size == 151936
+        got = _aligned(pipe).generate("a cat on a sofa, 一只猫 🐱", **kw)
+    finally:
+        pipe.release()
+    assert want.shape == got.shape and torch.isfinite(want).all() and want.std() > 0.01
+    assert torch.equal(got, want)
+
+
+def test_the_shipped_4b_config_refuses_a_smaller_text_encoder_by_name(three_files):
+    with pytest.raises(ModelPackageError, match=r"qwen3vl_tiny.safetensors is a Qwen3-VL of hidden size 64.*Qwen3-VL-4B \(hidden size 2560\)"):
+        load_pipeline(None, device="cpu", transformer_file=three_files["dit"], text_encoder_file=three_files["te"],
+                      vae_file=three_files["vae"])
 
 
 def test_refusals_name_the_file_and_what_was_expected(files, tmp_path):
