@@ -146,22 +146,37 @@ def text_encoder_state(path, dtype: torch.dtype, text_config) -> Dict[str, torch
     return state
 
 
-def text_encoder_config(config_folder: Optional[Path] = None):
-    """The Qwen3-VL config of a single-file text encoder: the package's ``text_encoder/config.json``
-    (``config_folder``) when there is one, else the shipped Qwen3-VL-4B config."""
-    from transformers import AutoConfig
+def sidecar_config(path) -> Path:
+    """A config beside a single file, read in its place (as other tools read ``<model>.yaml`` beside a
+    checkpoint): ``qwen3vl_small.safetensors`` -> ``qwen3vl_small.json``."""
+    return Path(path).with_suffix(".json")
 
+
+def text_encoder_config(config_folder: Optional[Path] = None, path=None):
+    """The Qwen3-VL config of a single-file text encoder ``path``: a ``<file stem>.json`` beside the file
+    when there is one, else the package's ``text_encoder/config.json`` (``config_folder``) when there is
+    one, else the shipped Qwen3-VL-4B config."""
+    from transformers import AutoConfig, Qwen3VLConfig
+
+    side = None if path is None else sidecar_config(path)
+    if side is not None and side.is_file():
+        try:
+            return Qwen3VLConfig(**json.loads(side.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:
+            raise ModelPackageError(f"text_encoder: {side.name} (the config beside {Path(path).name}) is not a "
+                                    f"Qwen3-VL config ({e}).") from None
     folder = Path(config_folder) if config_folder is not None and (Path(config_folder) / "config.json").is_file() else QWEN3VL_DIR
     return AutoConfig.from_pretrained(str(folder), local_files_only=True)
 
 
 def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Optional[Path] = None, config=None):
     """Qwen3-VL from one file. Its config: ``config`` (a ``Qwen3VLConfig`` or its dict) when given, else
-    :func:`text_encoder_config` (the package's, else the shipped 4B). The file's shapes must match it."""
+    :func:`text_encoder_config` (beside the file, the package's, else the shipped 4B). The file's shapes
+    must match it."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     if config is None:
-        config = text_encoder_config(config_folder)
+        config = text_encoder_config(config_folder, path)
     elif isinstance(config, dict):
         config = Qwen3VLConfig(**config)
     state = text_encoder_state(path, dtype, config.text_config)

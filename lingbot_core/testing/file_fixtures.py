@@ -6,7 +6,8 @@ random, in the layouts of the real files, so the files-only loader runs on a fre
   experts);
 - the text encoder as one safetensors file under ComfyUI's names (``model.layers.*``, ``visual.*``, no
   ``lm_head``), Qwen3-VL with the real vocabulary (151,936 rows, the released special-token ids) but tiny
-  widths: :data:`TINY_TEXT_CONFIG` must be passed with it (the shipped config is the 4B's);
+  widths: :data:`TINY_TEXT_CONFIG` goes with it, passed explicitly or as the ``<stem>.json`` beside the
+  file (the shipped config is the 4B's, which refuses it);
 - the VAE as the original Wan 2.1 layout (``decoder.middle.0.residual.0.gamma``: Comfy-Org's
   ``wan_2.1_vae.safetensors``) of the released architecture at base width 4.
 
@@ -17,6 +18,7 @@ CLI: ``python -m lingbot_core.testing.file_fixtures --models DIR [--moe]`` write
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
@@ -95,10 +97,13 @@ def comfy_text_encoder_state(model) -> Dict[str, torch.Tensor]:
     return out
 
 
-def write_text_encoder_file(path, seed: int = 0, dtype: torch.dtype = torch.float32) -> Path:
+def write_text_encoder_file(path, seed: int = 0, dtype: torch.dtype = torch.float32, sidecar: bool = False) -> Path:
+    """The tiny text encoder as one file; ``sidecar`` also writes its config beside it (``<stem>.json``)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(comfy_text_encoder_state(tiny_text_encoder(seed, dtype)), str(path), metadata={"format": "pt"})
+    if sidecar:
+        path.with_suffix(".json").write_text(json.dumps(TINY_TEXT_CONFIG, indent=2) + "\n", encoding="utf-8")
     return path
 
 
@@ -125,11 +130,12 @@ def write_dit_gguf(path, moe: bool = False, seed: int = 0, qtype: str = "Q8_0") 
 
 def write_comfy_files(models_dir, moe: bool = True, seed: int = 0, dit_name: Optional[str] = None) -> Dict[str, Path]:
     """The three files in ComfyUI's ``models/`` folders (``diffusion_models/``, ``text_encoders/``, ``vae/``),
-    the text encoder and VAE under the names of Comfy-Org's files (what the GGUF example workflow names)."""
+    the text encoder (with its tiny config beside it) and VAE under the names of Comfy-Org's files (what the
+    GGUF example workflow names)."""
     models = Path(models_dir)
     dit = models / "diffusion_models" / (dit_name or f"lingbot-tiny-files-{'moe' if moe else 'dense'}-Q8_0.gguf")
     write_dit_gguf(dit, moe, seed)
-    te = write_text_encoder_file(models / "text_encoders" / TEXT_ENCODER_NAME, seed)
+    te = write_text_encoder_file(models / "text_encoders" / TEXT_ENCODER_NAME, seed, sidecar=True)
     vae = write_wan21_vae_file(models / "vae" / VAE_NAME, seed)
     return {"transformer": dit, "text_encoder": te, "vae": vae}
 
