@@ -231,3 +231,46 @@ def test_fp8_single_file_with_key_scale_tensors(files, tmp_path):
     q = kept.blocks[0].attn.to_q
     assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight, out["blocks.0.attn.to_q.weight"])
     assert torch.equal(q.scale_weight, out["blocks.0.attn.to_q.weight_scale"].reshape(()))
+
+
+def test_the_refiner_as_a_file_refines_from_the_three_files_alone(tmp_path):
+    """transformer_subfolder='refiner' with an MoE GGUF: its config from the shapes (128 experts), no package."""
+    from lingbot_core.testing import file_fixtures as ff
+
+    dit = tmp_path / "lingbot-refiner-Q8_0.gguf"
+    ff.write_dit_gguf(dit, moe=True, seed=5)
+    te = ff.write_text_encoder_file(tmp_path / "qwen3vl_tiny.safetensors", sidecar=True)  # its config beside it
+    vae = ff.write_wan21_vae_file(tmp_path / "wan_2.1_vae.safetensors")
+    pipe = load_pipeline(None, transformer_subfolder="refiner", device="cpu", dtypes=FP32, transformer_file=dit,
+                         text_encoder_file=te, vae_file=vae)
+    try:
+        assert pipe.transformer.config.num_experts == 128 and pipe.transformer_subfolder == "refiner"
+        frames = torch.rand(5, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+        out = pipe.refine(frames, "a cat", height=64, width=64, steps=2, seed=1, output_type="pt")
+    finally:
+        pipe.release()
+    assert out.shape == (5, 64, 64, 3) and torch.isfinite(out).all() and out.std() > 0.01
+
+
+def test_the_wan21_vae_file_fixture_is_the_original_layout(tmp_path):
+    """Issue 32 item 7: a small Wan 2.1 VAE file under the original Wan names and architecture (what
+    Comfy-Org's wan_2.1_vae.safetensors holds), read with the shipped config at the file's own width."""
+    from safetensors import safe_open
+
+    from lingbot_core.files.vae_layout import ORIGINAL_WAN21_ARCH
+    from lingbot_core.model.component_files import load_vae_file, vae_config
+    from lingbot_core.testing.file_fixtures import write_wan21_vae_file
+    from lingbot_core.testing.fixtures import tiny_wan21_vae
+
+    path = write_wan21_vae_file(tmp_path / "wan_2.1_vae.safetensors", seed=2)
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("encoder.conv1.weight").shape[0] == 4  # base width 4 (the release: 96)
+    assert {"decoder.middle.0.residual.0.gamma", "decoder.upsamples.3.resample.1.weight", "conv2.weight"} <= keys
+    assert not any(k.startswith(("decoder.mid_block", "decoder.up_blocks")) for k in keys)
+    config = vae_config(None, path)
+    assert config["base_dim"] == 4 and all(config[k] == v for k, v in ORIGINAL_WAN21_ARCH.items() if k != "is_residual")
+    vae = load_vae_file(path, torch.float32, config)
+    want = tiny_wan21_vae(2).state_dict()
+    got = vae.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
