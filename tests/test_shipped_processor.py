@@ -172,3 +172,12 @@ def test_shipped_files_and_licence(processor):
     assert (t["hidden_size"], t["num_hidden_layers"], t["vocab_size"], v["out_hidden_size"], v["deepstack_visual_indexes"]) == (
         2560, 36, QWEN3VL_VOCAB, 2560, [5, 11, 17])
     assert (cfg["image_token_id"], cfg["video_token_id"], cfg["vision_start_token_id"]) == (151655, 151656, 151652)
+
+
+def test_the_registry_archive_ships_the_qwen3vl_files():
+    from test_registry_archive import archive_files
+
+    files, _ = archive_files()
+    for name in ("vocab.json", "merges.txt", "tokenizer_config.json", "preprocessor_config.json",
+                 "video_preprocessor_config.json", "config.json", "LICENSE", "NOTICE.md"):
+        assert f"lingbot_core/data/qwen3vl/{name}" in files, name
