@@ -1,4 +1,6 @@
-"""Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...`` and
+"""Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...`` (or, instead
+of ``--model_dir``, ``--transformer_file F.gguf --text_encoder_file qwen3vl_4b_bf16.safetensors --vae_file
+wan_2.1_vae.safetensors``) and
 ``python -m lingbot_core rewrite --prompt "..." --system_prompts rewriter/ --base_url URL ... --output p.json``."""
 
 from __future__ import annotations
@@ -30,7 +32,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="text/image to video (or image), optionally refined")
-    g.add_argument("--model_dir", required=True, help="package root (with model_index.json)")
+    g.add_argument("--model_dir", default=None,
+                   help="package root (with model_index.json); optional when the three files below are given")
+    g.add_argument("--transformer_file", default=None,
+                   help="the DiT as one file (.gguf or .safetensors, e.g. ComfyUI/models/diffusion_models/...)")
+    g.add_argument("--text_encoder_file", default=None,
+                   help="Qwen3-VL-4B as one .safetensors file (e.g. Comfy-Org's qwen3vl_4b_bf16.safetensors)")
+    g.add_argument("--vae_file", default=None, help="the Wan 2.1 VAE as one .safetensors file (wan_2.1_vae.safetensors)")
+    g.add_argument("--refiner_file", default=None, help="the refiner DiT as one file (with --run_refiner)")
     g.add_argument("--mode", choices=["t2i", "t2v", "ti2v"], default="t2v")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (a JSON caption string or plain text)")
@@ -167,8 +176,16 @@ def generate(args) -> int:
     image = Image.open(args.image).convert("RGB") if args.mode == "ti2v" else None
 
     dit = dict(blocks_on_gpu=args.blocks_on_gpu, dtypes={"transformer": args.dit_precision} if args.dit_precision else None,
-               attention=args.attention, compile_blocks=args.compile_blocks, cfg_lockstep=not args.no_cfg_lockstep)
-    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, loras=args.lora, **dit)
+               attention=args.attention, compile_blocks=args.compile_blocks, cfg_lockstep=not args.no_cfg_lockstep,
+               text_encoder_file=args.text_encoder_file, vae_file=args.vae_file)
+    if args.model_dir is None and not (args.transformer_file and args.text_encoder_file and args.vae_file):
+        missing = [f"--{n}" for n in ("transformer_file", "text_encoder_file", "vae_file") if not getattr(args, n)]
+        raise SystemExit(f"error: give --model_dir (a package folder), or the three files: {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing.")
+    if args.run_refiner and args.model_dir is None and not args.refiner_file:
+        raise SystemExit("error: --run_refiner without --model_dir needs --refiner_file (the refiner DiT as one file).")
+    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, loras=args.lora,
+                         transformer_file=args.transformer_file, **dit)
     frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
                            shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
@@ -181,7 +198,7 @@ def generate(args) -> int:
     if args.run_refiner and num_frames > 1:
         pipe.release()  # the refiner pipeline needs its own components; free the base first
         refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
-                                loras=args.refiner_lora, **dit)
+                                loras=args.refiner_lora, transformer_file=args.refiner_file, **dit)
         refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
                                  steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
                                  t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,

@@ -196,32 +196,34 @@ def check_transformer(folder: Path, name: str = "transformer") -> None:
 # Keys of community fp8 checkpoints that carry no weight (a format marker).
 IGNORED_CHECKPOINT_KEYS = frozenset({"scaled_fp8"})
 
-def check_package(model_dir, transformer_subfolder: str = "transformer", files: Optional[dict] = None) -> Path:
+def check_package(model_dir, transformer_subfolder: str = "transformer", files: Optional[dict] = None) -> Optional[Path]:
     """Check the folder is a released package with safetensors weights for every component (cheap: no
     weights are read); raise a ModelPackageError naming what is missing.
 
     ``files`` (component -> single file, see :func:`load_pipeline`) replaces those components: the folder
-    then need not hold them, nor ``model_index.json``; it must still hold ``processor/``."""
+    then need not hold them, nor ``model_index.json``. With all three files ``model_dir`` may be None (the
+    processor and the Qwen3-VL config ship with the pack); returns the folder, or None."""
     files = {k: v for k, v in (files or {}).items() if v}
+    if transformer_subfolder not in TRANSFORMER_SUBFOLDERS:
+        raise ValueError(f"transformer_subfolder={transformer_subfolder!r} is not allowed; use 'transformer' or 'refiner'.")
+    if model_dir is None:
+        missing = [FILE_OPTIONS[c] for c in COMPONENTS if c not in files]
+        if missing:
+            raise ModelPackageError(
+                "without a model package folder the pipeline is made of three files: the DiT, the Qwen3-VL-4B text "
+                f"encoder and the Wan 2.1 VAE; {', '.join(missing)} {'is' if len(missing) == 1 else 'are'} missing "
+                "(or give the package folder that provides them).")
+        return None
     root = Path(model_dir)
     if not root.is_dir():
         raise ModelPackageError(f"model folder {root} does not exist.")
-    if transformer_subfolder not in TRANSFORMER_SUBFOLDERS:
-        raise ValueError(f"transformer_subfolder={transformer_subfolder!r} is not allowed; use 'transformer' or 'refiner'.")
     if not files and not (root / "model_index.json").is_file():
         raise ModelPackageError(f"{root} has no model_index.json; point at the root of a LingBot-Video package.")
     folders = {"transformer": transformer_subfolder, "text_encoder": "text_encoder", "vae": "vae"}
-    for sub in [folders[c] for c in COMPONENTS if c not in files] + ["processor"]:
+    for sub in [folders[c] for c in COMPONENTS if c not in files] + ([] if files else ["processor"]):
         if not (root / sub).is_dir():
             hint = " (only the MoE package ships a refiner)" if sub == "refiner" else ""
-            if sub == "processor" and files:
-                hint = (" (the Qwen3-VL tokenizer and processor: the pack does not ship them; copy the processor/ "
-                        "folder of a LingBot-Video release there)")
             raise ModelPackageError(f"{root} is missing the {sub}/ folder{hint}.")
-    if "text_encoder" in files and not (root / "text_encoder" / "config.json").is_file():
-        raise ModelPackageError(
-            f"{root} has no text_encoder/config.json: a single-file text encoder needs the Qwen3-VL config, which "
-            "the pack does not ship; copy text_encoder/config.json (a few KB) of a LingBot-Video release there.")
     for comp, stem in (("transformer", "diffusion_pytorch_model"), ("text_encoder", "model"), ("vae", "diffusion_pytorch_model")):
         if comp in files:
             continue
@@ -229,6 +231,27 @@ def check_package(model_dir, transformer_subfolder: str = "transformer", files: 
         for path in safetensors_files(root / sub, sub, stem):
             check_readable(path, sub)
     return root
+
+
+# The load_pipeline / command-line option naming each component's single file.
+FILE_OPTIONS = {"transformer": "transformer_file", "text_encoder": "text_encoder_file", "vae": "vae_file"}
+
+
+def load_processor(model_dir=None):
+    """The Qwen3-VL processor (tokenizer + image processor): the package's own ``processor/`` when
+    ``model_dir`` has one, else the one shipped with the pack (``data/qwen3vl``: Qwen3-VL's tokenizer and
+    image-processor settings)."""
+    from transformers import Qwen3VLProcessor
+
+    from .model.component_files import QWEN3VL_DIR
+
+    own = None if model_dir is None else Path(model_dir) / "processor"
+    folder = own if own is not None and own.is_dir() else QWEN3VL_DIR
+    try:
+        return Qwen3VLProcessor.from_pretrained(str(folder), local_files_only=True)
+    except (OSError, ValueError, TypeError) as e:
+        where = f"{folder}" if folder is own else "the processor shipped with the pack (lingbot_core/data/qwen3vl)"
+        raise ModelPackageError(f"processor: could not load {where}: {e}") from None
 
 
 def check_loras(loras, model_dir, transformer_subfolder: str = "transformer", transformer_file=None):
@@ -250,15 +273,18 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
                   device=None, dtypes: Optional[dict] = None, blocks_on_gpu: int = 0, attention: str = "sdpa",
                   compile_blocks: bool = False, cfg_lockstep: bool = True, loras=None,
                   devices: Optional[dict] = None, transformer_file=None, text_encoder_file=None,
-                  vae_file=None) -> LingbotPipeline:
+                  vae_file=None, text_encoder_config=None) -> LingbotPipeline:
     """Load a LingBot-Video package from ``model_dir`` and place it per ``offload``.
 
     ``transformer_file`` / ``text_encoder_file`` / ``vae_file`` replace that component of the package by
     a single file as ComfyUI users have them (see :mod:`lingbot_core.model.dit_files` and
     :mod:`lingbot_core.model.component_files`): a GGUF or safetensors DiT (loaded as the ``transformer_subfolder``
     role; the package's own ``config.json`` wins over the config its shapes imply), the Qwen3-VL-4B text
-    encoder file, the Wan 2.1 VAE file. ``model_dir`` must still hold the ``processor/`` folder (the
-    tokenizer is not shipped with the pack) and the components not given as files.
+    encoder file, the Wan 2.1 VAE file. With all three files ``model_dir`` may be None: the processor
+    (tokenizer) and the Qwen3-VL-4B config ship with the pack, the scheduler takes the release's defaults
+    and the DiT's config comes from its shapes. A package's own ``processor/``, ``text_encoder/config.json``
+    and ``vae/config.json`` win when ``model_dir`` is given. ``text_encoder_config`` (a ``Qwen3VLConfig``
+    or its dict) replaces the Qwen3-VL config of a ``text_encoder_file`` (a smaller test model).
 
     ``dtypes`` maps component names (``transformer``, ``text_encoder``, ``vae``) to torch dtypes or
     ``"bf16"``/``"fp16"``/``"fp32"`` (the transformer also ``"fp8_e4m3fn"``/``"fp8_e5m2"``: fp8 weight
@@ -272,7 +298,7 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     (``{"text_encoder": "cuda:1"}``; see ``placement.py``); their default dtype follows their device.
     """
     from diffusers import AutoencoderKLWan
-    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import Qwen3VLForConditionalGeneration
 
     check_offload_mode(offload)
     check_blocks_on_gpu(blocks_on_gpu)
@@ -287,11 +313,6 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     dit_compute = fp8_compute_dtype(device) if is_fp8(chosen["transformer"]) else chosen["transformer"]
     diffusers_backend(attention, device, dit_compute)
     files = {"transformer": transformer_file, "text_encoder": text_encoder_file, "vae": vae_file}
-    if model_dir is None:
-        raise ModelPackageError(
-            "model_dir is needed: the Qwen3-VL tokenizer and processor are not shipped with the pack; give a "
-            "LingBot-Video package folder (or any folder holding the release's processor/ folder)"
-            + (" next to the single files." if any(files.values()) else "."))
     root = check_package(model_dir, transformer_subfolder, files)
     dit_file = None
     if transformer_file is not None:
@@ -311,7 +332,8 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     if text_encoder_file is not None:
         from .model.component_files import load_text_encoder_file
 
-        text_encoder = load_text_encoder_file(text_encoder_file, chosen["text_encoder"], root / "text_encoder")
+        text_encoder = load_text_encoder_file(text_encoder_file, chosen["text_encoder"],
+                                              None if root is None else root / "text_encoder", text_encoder_config)
     else:
         try:
             text_encoder = Qwen3VLForConditionalGeneration.from_pretrained(
@@ -322,25 +344,23 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     # Only the final hidden states are used; an Identity head makes the hooked top-level call return them.
     text_encoder.lm_head = torch.nn.Identity()
     text_encoder.eval().requires_grad_(False)
-    try:
-        processor = Qwen3VLProcessor.from_pretrained(root, subfolder="processor", local_files_only=True)
-    except (OSError, ValueError, TypeError) as e:
-        raise ModelPackageError(f"processor: could not load {root / 'processor'}: {e}") from None
+    processor = load_processor(root)
     if vae_file is not None:
         from .model.component_files import load_vae_file, vae_config
 
-        vae = load_vae_file(vae_file, chosen["vae"], vae_config(root / "vae"))
+        vae = load_vae_file(vae_file, chosen["vae"], vae_config(None if root is None else root / "vae", vae_file))
     else:
         try:
             vae = AutoencoderKLWan.from_pretrained(root, subfolder="vae", torch_dtype=chosen["vae"], **common)
         except (OSError, ValueError, RuntimeError) as e:
             raise ModelPackageError(f"vae: could not load {root / 'vae'}: {e}") from None
     vae.eval().requires_grad_(False)
-    scheduler_config = load_scheduler_config(str(root / "scheduler" / "scheduler_config.json"))
+    # Without a package: the release's defaults (load_scheduler_config reads no file and returns {}).
+    scheduler_config = load_scheduler_config(None if root is None else str(root / "scheduler" / "scheduler_config.json"))
     if float(scheduler_config.get("shift", 1.0)) != 1.0:
         logger.info("scheduler_config.json has shift=%s; ignored (the shift is a sampling argument).", scheduler_config["shift"])
     pipe = LingbotPipeline(
-        transformer, text_encoder, processor, vae, scheduler_config, model_dir=str(root),
+        transformer, text_encoder, processor, vae, scheduler_config, model_dir=None if root is None else str(root),
         transformer_subfolder=transformer_subfolder, offload=offload, device=device, blocks_on_gpu=blocks_on_gpu,
         attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep, devices=devices,
         checkpoint_weight=checkpoint_weight, transformer_file=None if transformer_file is None else str(transformer_file),

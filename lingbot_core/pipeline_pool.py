@@ -60,7 +60,7 @@ class PipelineSpec:
     another pipeline (loaded when used; the old one is idle and goes first when RAM is needed), because
     the default dtypes follow each component's device."""
 
-    model_dir: str
+    model_dir: Optional[str]  # None: the three single files alone (``*_file`` options)
     transformer_subfolder: str = "transformer"
     dtypes: Tuple[Tuple[str, str], ...] = ()  # component -> dtype name, sorted; missing = the device default
     device: str = "cpu"
@@ -77,7 +77,7 @@ class PipelineSpec:
         main = resolve_device(device)
         # A component placed on the pipeline's own device is the default placement (one key, one load).
         placed = tuple(sorted((k, str(v)) for k, v in check_component_devices(devices).items() if v != main))
-        return cls(str(Path(model_dir)), transformer_subfolder, tuple(sorted(names.items())),
+        return cls(None if model_dir is None else str(Path(model_dir)), transformer_subfolder, tuple(sorted(names.items())),
                    str(main), tuple(sorted(options.items())), placed)
 
     @property
@@ -394,9 +394,10 @@ class LazyPipeline:
         if self._normalizer is None:
             from .model.component_files import vae_config
 
-            path = Path(self.spec.model_dir) / "vae" / "config.json"
+            folder = None if self.spec.model_dir is None else Path(self.spec.model_dir) / "vae"
+            path = folder / "config.json" if folder is not None else "the shipped Wan 2.1 VAE config"
             try:
-                cfg = vae_config(path.parent)  # the shipped Wan 2.1 config when a VAE file stands in
+                cfg = vae_config(folder)  # the shipped Wan 2.1 config when a VAE file stands in
             except (OSError, ValueError) as e:
                 raise ModelPackageError(f"vae: could not read {path}: {e}") from None
             self._normalizer = LatentNormalizer(cfg.get("latents_mean"), cfg.get("latents_std"))

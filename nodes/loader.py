@@ -10,7 +10,8 @@ from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from ..lingbot_core.memory.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import (
-    FROM_PACKAGE, component_file_choices, package_choices, resolve_component_file, resolve_package,
+    FROM_PACKAGE, NO_PACKAGE, component_file_choices, files_package_choices, package_choices, resolve_component_file,
+    resolve_package,
 )
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -28,7 +29,8 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
     package is checked (folders, safetensors headers); no weight is read. ``files`` (component -> name
-    in a ComfyUI models folder, or "(from the package)") replaces package components by single files.
+    in a ComfyUI models folder, or "(from the package)") replaces package components by single files; with
+    ``files``, ``model`` may be :data:`NO_PACKAGE` (the three files alone).
     """
     for name, value, allowed in (("offload", offload, list(OFFLOAD_MODES)),
                                  ("dit_precision", dit_precision, DIT_PRECISIONS),
@@ -49,7 +51,14 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         path = resolve_component_file(component, name)
         if path is not None:
             chosen[f"{component}_file"] = path
-    return pipe_pool().handle(resolve_package(model), transformer_subfolder=transformer, offload=offload,
+    model_dir = None if files is not None and model == NO_PACKAGE else resolve_package(model)
+    if model_dir is None:
+        missing = [w for w, c in (("dit_file", "transformer"), ("text_encoder_file", "text_encoder"), ("vae_file", "vae"))
+                   if f"{c}_file" not in chosen]
+        if missing:
+            raise ValueError(f"model {NO_PACKAGE!r} makes the pipeline of three files: choose a file for "
+                             f"{', '.join(missing)} (or choose a package as 'model' to take it from there).")
+    return pipe_pool().handle(model_dir, transformer_subfolder=transformer, offload=offload,
                               dtypes=dtypes, device=comfy_device(),
                               blocks_on_gpu=blocks_on_gpu, speed=speed_options,
                               devices={"text_encoder": text_encoder_device, "vae": vae_device}, **chosen)
@@ -124,20 +133,21 @@ class LoadLingbotPipeline:
 
 class LoadLingbotPipelineFiles(LoadLingbotPipeline):
     DESCRIPTION = (
-        "Like Load LingBot-Video Pipeline, with the DiT (and optionally the text encoder and VAE) taken from "
-        "single files in ComfyUI's model folders: a GGUF (Q3_K..Q8_0, realrebelai or stable-diffusion.cpp "
-        "layout) or safetensors DiT from models/diffusion_models or models/unet, the Qwen3-VL-4B text encoder "
-        "from models/text_encoders or models/clip, the Wan 2.1 VAE from models/vae. GGUF weights stay "
-        "memory-mapped and are dequantized layer by layer on the GPU: with offload 'block' a Q4_K_M MoE "
-        "streams about 17 GB per step instead of 56. The package ('model') still provides the Qwen3-VL "
-        "processor (tokenizer) and any component left '(from the package)'."
+        "Like Load LingBot-Video Pipeline, with the components taken from single files in ComfyUI's model "
+        "folders: a GGUF (Q3_K..Q8_0, realrebelai or stable-diffusion.cpp layout) or safetensors DiT from "
+        "models/diffusion_models or models/unet, the Qwen3-VL-4B text encoder from models/text_encoders or "
+        "models/clip, the Wan 2.1 VAE from models/vae. With 'model' set to '(none: the three files)' these three "
+        "files are the whole pipeline (the Qwen3-VL tokenizer and configs ship with the pack); a package folder "
+        "as 'model' provides any component left '(from the package)'. GGUF weights stay memory-mapped and are "
+        "dequantized layer by layer on the GPU: with offload 'block' a Q4_K_M MoE streams about 17 GB per step "
+        "instead of 56."
     )
 
     @classmethod
     def INPUT_TYPES(cls):
         spec = super().INPUT_TYPES()
         required = dict(spec["required"])
-        required["model"] = (required["model"][0], {"tooltip": "The package that provides the processor (tokenizer) and the components left '(from the package)': a folder under models/diffusers or models/lingbot_video."})
+        required["model"] = (files_package_choices(), {"default": NO_PACKAGE, "tooltip": "'(none: the three files)': the DiT, text encoder and VAE files below are the whole pipeline. Or a package folder (models/diffusers or models/lingbot_video) that provides the components left '(from the package)' (and its own processor and configs)."})
         files = {
             "dit_file": (component_file_choices("transformer"), {"default": FROM_PACKAGE, "tooltip": "A LingBot-Video DiT file (.gguf or .safetensors) in models/diffusion_models or models/unet; it takes the role chosen in 'transformer'."}),
             "text_encoder_file": (component_file_choices("text_encoder"), {"default": FROM_PACKAGE, "tooltip": "The Qwen3-VL-4B text encoder as one .safetensors file (models/text_encoders or models/clip)."}),

@@ -78,6 +78,15 @@ def package_choices() -> List[str]:
     return list(list_packages()) or ["(no LingBot-Video package found)"]
 
 
+# The files loader's ``model`` choice for a pipeline made of its three files alone (no package folder).
+NO_PACKAGE = "(none: the three files)"
+
+
+def files_package_choices() -> List[str]:
+    """The files loader's ``model`` dropdown: the three files alone first, then the packages found."""
+    return [NO_PACKAGE, *list_packages()]
+
+
 def resolve_package(name: str) -> str:
     """The folder of a listed package; anything else (paths, '..', unknown names) is refused."""
     packages = list_packages()

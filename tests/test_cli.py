@@ -144,3 +144,32 @@ def test_cli_speed_flags(cli_runs):
     assert "of 20 DiT forwards computed" in stderr and (out / "speed.mp4").is_file()
     rc, _, stderr = result("flash_cpu")
     assert rc == 2 and "attention='flash_attn' runs on CUDA GPUs only" in stderr
+
+
+def test_cli_runs_from_the_three_files_alone(tmp_path):
+    """--transformer_file/--text_encoder_file/--vae_file without --model_dir: a GGUF DiT (config from its shapes),
+    the text encoder file with its config beside it, the Wan 2.1 VAE file; the processor ships with the pack."""
+    from lingbot_core.testing.file_fixtures import write_comfy_files
+
+    files = write_comfy_files(tmp_path / "models", moe=False, seed=2)
+    out = tmp_path / "files.mp4"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    args = [sys.executable, "-m", "lingbot_core", "generate", "--transformer_file", str(files["transformer"]),
+            "--text_encoder_file", str(files["text_encoder"]), "--vae_file", str(files["vae"]), "--mode", "t2v",
+            "--prompt", "a cat", "--num_frames", "5", "--height", "64", "--width", "96", "--steps", "2",
+            "--device", "cpu", "--output", str(out)]
+    proc = subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    frames = _decode(out)
+    assert len(frames) == 5 and frames[0].shape == (64, 96, 3) and np.std(frames) > 1.0
+
+
+def test_cli_without_model_dir_names_the_missing_file(tmp_path, capsys):
+    from lingbot_core.cli import main
+
+    gguf = tmp_path / "dit.gguf"
+    with pytest.raises(SystemExit, match=r"--text_encoder_file, --vae_file are missing"):
+        main(["generate", "--transformer_file", str(gguf), "--prompt", "a cat", "--device", "cpu"])
+    with pytest.raises(SystemExit, match=r"--refiner_file"):
+        main(["generate", "--transformer_file", str(gguf), "--text_encoder_file", str(gguf), "--vae_file", str(gguf),
+              "--prompt", "a cat", "--device", "cpu", "--run_refiner"])

@@ -67,9 +67,88 @@ def test_single_files_give_the_package_frames(files):
     assert (got - want).abs().max().item() <= 1e-5
 
 
-def test_model_dir_is_required_for_the_processor(files):
-    with pytest.raises(ModelPackageError, match="processor"):
-        load_pipeline(None, device="cpu", transformer_file=files["dit"], text_encoder_file=files["te"], vae_file=files["vae"])
+def test_files_that_are_not_three_name_what_is_missing(files):
+    with pytest.raises(ModelPackageError, match=r"three files.*text_encoder_file, vae_file are missing"):
+        load_pipeline(None, device="cpu", transformer_file=files["dit"])
+    with pytest.raises(ModelPackageError, match=r"vae_file is missing"):
+        load_pipeline(None, device="cpu", transformer_file=files["dit"], text_encoder_file=files["te"])
+
+
+def _aligned(pipe):
+    """Every weight of the pipeline copied into fresh (64-byte aligned) memory: two loads then run the same CPU
+    kernels on alike layouts (issue 28), so their frames can be compared exactly."""
+    with torch.no_grad():
+        for module in (pipe.transformer, pipe.text_encoder, pipe.vae):
+            for p in module.parameters():
+                p.data = p.data.clone()
+            for name, b in list(module.named_buffers()):
+                owner, _, leaf = name.rpartition(".")
+                sub = module.get_submodule(owner) if owner else module
+                if b is not None and leaf in sub._buffers:
+                    sub._buffers[leaf] = b.clone()
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def three_files(tmp_path_factory):
+    """The three files alone (a Q8_0 GGUF DiT described by its shapes, a real-vocabulary Qwen3-VL file under
+    ComfyUI's names, a Wan 2.1 VAE of the original layout) and a package folder of the same weights that holds
+    the processor shipped with the pack."""
+    import json
+
+    from lingbot_core import load_processor
+    from lingbot_core.testing import file_fixtures as ff
+    from lingbot_core.testing.fixtures import MODEL_INDEX, tiny_wan21_vae
+
+    root = tmp_path_factory.mktemp("three")
+    held = ff.write_dit_gguf(root / "models" / "lingbot-files-dense-Q8_0.gguf", moe=False, seed=3)
+    te = ff.write_text_encoder_file(root / "models" / "qwen3vl_tiny.safetensors", seed=3)
+    vae = ff.write_wan21_vae_file(root / "models" / "wan_2.1_vae.safetensors", seed=3)
+    pkg = root / "pkg"
+    (pkg / "transformer").mkdir(parents=True)
+    (pkg / "model_index.json").write_text(json.dumps(MODEL_INDEX))
+    config = {"_class_name": "LingBotVideoTransformer3DModel", **ff.files_dit_config(False)}
+    (pkg / "transformer" / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in held.items()}, str(pkg / "transformer" / "diffusion_pytorch_model.safetensors"))
+    ff.tiny_text_encoder(3).save_pretrained(pkg / "text_encoder")
+    tiny_wan21_vae(3).save_pretrained(pkg / "vae")
+    load_processor(None).save_pretrained(pkg / "processor")
+    return {"dit": root / "models" / "lingbot-files-dense-Q8_0.gguf", "te": te, "vae": vae, "pkg": pkg,
+            "text_config": ff.TINY_TEXT_CONFIG}
+
+
+FP32 = {"transformer": "fp32", "text_encoder": "fp32"}
+
+
+@pytest.mark.parametrize("image", [False, True], ids=["t2v", "ti2v"])
+def test_three_files_alone_give_the_package_frames(three_files, image):
+    """load_pipeline(None, three files) == the same weights as a package folder holding the shipped processor."""
+    kw = dict(RUN, height=64, width=64)
+    if image:
+        g = torch.Generator().manual_seed(2)
+        kw["image"] = torch.rand(64, 64, 3, generator=g)
+    ref = _aligned(load_pipeline(three_files["pkg"], device="cpu", dtypes=FP32))
+    try:
+        want = ref.generate("a cat on a sofa, 一只猫 🐱", **kw)
+    finally:
+        ref.release()
+    pipe = load_pipeline(None, device="cpu", dtypes=FP32, transformer_file=three_files["dit"],
+                         text_encoder_file=three_files["te"], vae_file=three_files["vae"],
+                         text_encoder_config=three_files["text_config"])
+    try:
+        assert pipe.model_dir is None and len(pipe.processor.tokenizer) == 151669
+        assert pipe.text_encoder.config.text_config.vocab_size == 151936
+        got = _aligned(pipe).generate("a cat on a sofa, 一只猫 🐱", **kw)
+    finally:
+        pipe.release()
+    assert want.shape == got.shape and torch.isfinite(want).all() and want.std() > 0.01
+    assert torch.equal(got, want)
+
+
+def test_the_shipped_4b_config_refuses_a_smaller_text_encoder_by_name(three_files):
+    with pytest.raises(ModelPackageError, match=r"qwen3vl_tiny.safetensors is a Qwen3-VL of hidden size 64.*Qwen3-VL-4B \(hidden size 2560\)"):
+        load_pipeline(None, device="cpu", transformer_file=three_files["dit"], text_encoder_file=three_files["te"],
+                      vae_file=three_files["vae"])
 
 
 def test_refusals_name_the_file_and_what_was_expected(files, tmp_path):
@@ -152,3 +231,65 @@ def test_fp8_single_file_with_key_scale_tensors(files, tmp_path):
     q = kept.blocks[0].attn.to_q
     assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight, out["blocks.0.attn.to_q.weight"])
     assert torch.equal(q.scale_weight, out["blocks.0.attn.to_q.weight_scale"].reshape(()))
+
+
+def test_the_refiner_as_a_file_refines_from_the_three_files_alone(tmp_path):
+    """transformer_subfolder='refiner' with an MoE GGUF: its config from the shapes (128 experts), no package."""
+    from lingbot_core.testing import file_fixtures as ff
+
+    dit = tmp_path / "lingbot-refiner-Q8_0.gguf"
+    ff.write_dit_gguf(dit, moe=True, seed=5)
+    te = ff.write_text_encoder_file(tmp_path / "qwen3vl_tiny.safetensors", sidecar=True)  # its config beside it
+    vae = ff.write_wan21_vae_file(tmp_path / "wan_2.1_vae.safetensors")
+    pipe = load_pipeline(None, transformer_subfolder="refiner", device="cpu", dtypes=FP32, transformer_file=dit,
+                         text_encoder_file=te, vae_file=vae)
+    try:
+        assert pipe.transformer.config.num_experts == 128 and pipe.transformer_subfolder == "refiner"
+        frames = torch.rand(5, 32, 32, 3, generator=torch.Generator().manual_seed(0))
+        out = pipe.refine(frames, "a cat", height=64, width=64, steps=2, seed=1, output_type="pt")
+    finally:
+        pipe.release()
+    assert out.shape == (5, 64, 64, 3) and torch.isfinite(out).all() and out.std() > 0.01
+
+
+def test_the_wan21_vae_file_fixture_is_the_original_layout(tmp_path):
+    """Issue 32 item 7: a small Wan 2.1 VAE file under the original Wan names and architecture (what
+    Comfy-Org's wan_2.1_vae.safetensors holds), read with the shipped config at the file's own width."""
+    from safetensors import safe_open
+
+    from lingbot_core.files.vae_layout import ORIGINAL_WAN21_ARCH
+    from lingbot_core.model.component_files import load_vae_file, vae_config
+    from lingbot_core.testing.file_fixtures import write_wan21_vae_file
+    from lingbot_core.testing.fixtures import tiny_wan21_vae
+
+    path = write_wan21_vae_file(tmp_path / "wan_2.1_vae.safetensors", seed=2)
+    with safe_open(str(path), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("encoder.conv1.weight").shape[0] == 4  # base width 4 (the release: 96)
+    assert {"decoder.middle.0.residual.0.gamma", "decoder.upsamples.3.resample.1.weight", "conv2.weight"} <= keys
+    assert not any(k.startswith(("decoder.mid_block", "decoder.up_blocks")) for k in keys)
+    config = vae_config(None, path)
+    assert config["base_dim"] == 4 and all(config[k] == v for k, v in ORIGINAL_WAN21_ARCH.items() if k != "is_residual")
+    vae = load_vae_file(path, torch.float32, config)
+    want = tiny_wan21_vae(2).state_dict()
+    got = vae.state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_memory_budget_counts_the_three_files_without_a_package(three_files):
+    """The pool's RAM and pinned-ring figures come from the files' headers alone when there is no package."""
+    from lingbot_core.memory.budget import block_ring_bytes, package_bytes
+    from lingbot_core.pipeline_pool import PipelinePool
+
+    files = {"transformer": str(three_files["dit"]), "text_encoder": str(three_files["te"]), "vae": str(three_files["vae"])}
+    dtypes = {"transformer": torch.float32, "text_encoder": torch.float32, "vae": torch.float32}
+    total = package_bytes(None, "transformer", dtypes, files)
+    te_and_vae = three_files["te"].stat().st_size + three_files["vae"].stat().st_size
+    assert te_and_vae < total < te_and_vae + 4 * three_files["dit"].stat().st_size
+    assert block_ring_bytes(None, "transformer", torch.bfloat16, files["transformer"]) > 0
+    pipe = PipelinePool().handle(None, device="cpu", transformer_file=files["transformer"],
+                                 text_encoder_file=files["text_encoder"], vae_file=files["vae"])
+    assert pipe.spec.model_dir is None and pipe.spec.label.startswith("lingbot-files-dense-Q8_0.gguf")
+    assert pipe.pool.weight_bytes(pipe.spec) == package_bytes(None, "transformer", pipe.spec.load_dtypes(), files)
+    with pytest.raises(ModelPackageError, match="vae_file is missing"):
+        PipelinePool().handle(None, device="cpu", transformer_file=files["transformer"], text_encoder_file=files["text_encoder"])

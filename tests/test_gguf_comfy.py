@@ -7,13 +7,32 @@ import pytest
 
 from test_lora import lightx2v_lora
 from test_lora_comfy import TINY_LORA, run_tiny_four_step_example
-from test_nodes_comfy import MOE, example_as_api, nodes_of, patch_nodes
+from test_nodes_comfy import FRAMES, H, MOE, W, decode_video, example_as_api, node_files, nodes_of, patch_nodes
 
 pytestmark = pytest.mark.comfy
 gguf = pytest.importorskip("gguf")
 
 TINY_GGUF = "lingbot-tiny-moe-Q8_0.gguf"
+FILES_GGUF = "lingbot-tiny-files-moe-Q8_0.gguf"  # an MoE its shapes describe (128 experts, head size 128)
+FILES_LORA = "lingbot_tiny_files_4steps.safetensors"
 EXAMPLE = "lingbot_moe_gguf_4step_lora"
+
+
+def files_moe_lora(path):
+    """A four-step-LoRA-like file (LightX2V's .lora.down/.lora.up names) for the files fixture's MoE."""
+    import torch
+    from safetensors.torch import save_file
+
+    from lingbot_core.testing.file_fixtures import files_dit_config
+
+    cfg = files_dit_config(moe=True)
+    gen = torch.Generator().manual_seed(0)
+    tensors = {}
+    for b in range(cfg["depth"]):
+        for m in ("to_q", "to_k", "to_v"):
+            tensors[f"blocks.{b}.attn.{m}.lora.down.weight"] = torch.randn(4, cfg["hidden_size"], generator=gen) * 0.2
+            tensors[f"blocks.{b}.attn.{m}.lora.up.weight"] = torch.randn(cfg["hidden_size"], 4, generator=gen) * 0.2
+    save_file(tensors, str(path))
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +46,11 @@ def server(comfy_server, packages):
     unet.mkdir(parents=True, exist_ok=True)
     write_gguf_dit(unet / TINY_GGUF, package_state(packages["moe"]), "Q8_0", layout="rebel")
     (unet / "other.ckpt").write_bytes(b"pickle")
+    # The three files alone, the text encoder and VAE under the example's names (Comfy-Org's files).
+    from lingbot_core.testing.file_fixtures import write_comfy_files
+
+    write_comfy_files(comfy_server.models_dir, moe=True, seed=1, dit_name=FILES_GGUF)
+    files_moe_lora(loras / FILES_LORA)
     return comfy_server
 
 
@@ -48,6 +72,48 @@ def test_files_loader_lists_component_files_and_runs_the_gguf_example(server):
     patch_nodes(api, "LoadLingbotPipelineFiles", model=MOE, dit_file=TINY_GGUF, text_encoder_file="(from the package)",
                 vae_file="(from the package)")
     run_tiny_four_step_example(server, api, EXAMPLE)
+
+
+def test_the_gguf_example_runs_from_the_three_files_alone(server):
+    """The example as shipped: 'model' = '(none: the three files)', the text encoder and VAE widgets as they are
+    (qwen3vl_4b_bf16 / wan_2.1_vae: the fixture's files under those names); only the DiT and LoRA names and the
+    size are changed to the fixture's."""
+    info = server.object_info()
+    model = info["LoadLingbotPipelineFiles"]["input"]["required"]["model"]
+    assert model[0][0] == "(none: the three files)" and model[1]["default"] == "(none: the three files)"
+    assert "(none: the three files)" not in info["LoadLingbotPipeline"]["input"]["required"]["model"][0]
+    vae_files = info["LoadLingbotPipelineFiles"]["input"]["required"]["vae_file"][0]
+    assert "wan_2.1_vae.safetensors" in vae_files
+
+    _, api = example_as_api(EXAMPLE, info)
+    (pid,) = nodes_of(api, "LoadLingbotPipelineFiles")
+    p = api[pid]["inputs"]
+    assert (p["model"], p["text_encoder_file"], p["vae_file"]) == (
+        "(none: the three files)", "qwen3vl_4b_bf16.safetensors", "wan_2.1_vae.safetensors")
+    patch_nodes(api, "LoadLingbotPipelineFiles", dit_file=FILES_GGUF)
+    patch_nodes(api, "LoadLingbotLoRA", lora_name=FILES_LORA)
+    patch_nodes(api, "GenerateVideo", width=W, height=H, num_frames=FRAMES)
+    for sid in nodes_of(api, "SaveVideo"):
+        api[sid]["inputs"]["filename_prefix"] = f"test_three_files_{sid}"
+    entry = server.run(api, timeout=600)
+    (sid,) = nodes_of(api, "SaveVideo")
+    (path,) = node_files(server, entry, sid)
+    frames, rate = decode_video(path)
+    assert frames.shape == (FRAMES, H, W, 3) and rate == 24 and frames.std() > 1.0
+
+
+def test_none_with_a_file_left_from_the_package_names_the_widget(server):
+    from test_nodes_comfy import generate, save_image
+    from comfy_host import PromptExecutionError
+
+    g = {"1": {"class_type": "LoadLingbotPipelineFiles", "inputs": {
+        "model": "(none: the three files)", "dit_file": FILES_GGUF, "text_encoder_file": "qwen3vl_4b_bf16.safetensors",
+        "vae_file": "(from the package)", "transformer": "transformer", "offload": "none", "dit_precision": "auto",
+        "text_encoder_precision": "auto", "vae_precision": "fp32"}}}
+    g["2"] = generate("1", steps=1, guidance_scale=1.0)
+    g["3"] = save_image("2", "test_none_missing_vae")
+    with pytest.raises(PromptExecutionError, match="vae_file"):
+        server.run(g, timeout=120)
 
 
 def test_a_typed_path_is_refused(server):

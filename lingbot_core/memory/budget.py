@@ -140,7 +140,7 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
     from ..files.checkpoint_files import safetensors_files
     from ..model.transformer import is_fp32_island
 
-    root = Path(model_dir)
+    root = None if model_dir is None else Path(model_dir)  # None: the three files alone
     files = files or {}
     total = 0
     for comp, sub, stem, dtype, islands in (
@@ -168,14 +168,15 @@ def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, 
     from .offload import RING_ALIGN, RING_SLOTS
     from ..model.transformer import is_fp32_island
 
-    folder = Path(model_dir) / transformer_subfolder
+    root = None if model_dir is None else Path(model_dir)  # None: the three files alone
     per_block: Dict[str, int] = {}
     if transformer_file:
         from ..model.dit_files import DitFile, loaded_bytes, transformer_config
 
         dit = DitFile(transformer_file)
-        tables = [loaded_bytes(dit, dtype, transformer_config(Path(model_dir), transformer_subfolder, transformer_file, dit))]
+        tables = [loaded_bytes(dit, dtype, transformer_config(root, transformer_subfolder, transformer_file, dit))]
     else:
+        folder = root / transformer_subfolder
         tables = [_loaded_tensor_bytes(path, dtype, is_fp32_island)
                   for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
     for table in tables:

@@ -8,7 +8,11 @@
   (``model.language_model.layers.0...``, ``model.visual...``) or ComfyUI's internal names
   (``model.layers.0...``, ``visual...``); ``lm_head`` absent (tied to the embeddings); fp8_scaled files'
   weights are multiplied by their ComfyUI scales (``scale_weight`` / ``weight_scale``) on load. The
-  Qwen3-VL config comes from the package's ``text_encoder/config.json`` (the pack does not ship it).
+  Qwen3-VL config comes from the package's ``text_encoder/config.json`` when there is one, else the
+  Qwen3-VL-4B config the pack ships (``data/qwen3vl/config.json``, from the official release).
+- Processor: the Qwen3-VL tokenizer (Qwen2.5's byte-level BPE plus Qwen3-VL's added tokens) and image
+  processor settings ship in ``data/qwen3vl/`` (Apache-2.0, see its NOTICE.md); a package's own
+  ``processor/`` wins.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from ..files.fp8 import is_fp8
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 WAN21_VAE_CONFIG = DATA / "wan21_vae_config.json"
+QWEN3VL_DIR = DATA / "qwen3vl"  # tokenizer, processor settings and the Qwen3-VL-4B config (Apache-2.0)
 
 _ORIGINAL_VAE_KEY = "decoder.middle.0.residual.0.gamma"
 _DIFFUSERS_VAE_KEY = "decoder.mid_block.resnets.0.norm1.gamma"
@@ -35,11 +40,21 @@ _VAE_FOREIGN = (
 _QWEN_VISUAL_KEY = "visual.deepstack_merger_list.0.norm.weight"
 
 
-def vae_config(package_vae: Optional[Path]) -> dict:
-    """The package's VAE config when it has one (it wins), else the shipped Wan 2.1 config."""
+def vae_config(package_vae: Optional[Path], vae_file=None) -> dict:
+    """The package's VAE config when it has one (it wins), else the shipped Wan 2.1 config; with a
+    ``vae_file``, at the base width its first convolution has (as ComfyUI reads a Wan 2.1 VAE: the
+    released file is 96 wide, the test fixtures' are smaller)."""
     if package_vae is not None and (Path(package_vae) / "config.json").is_file():
         return read_config(Path(package_vae), "vae")
-    return json.loads(WAN21_VAE_CONFIG.read_text(encoding="utf-8"))
+    config = json.loads(WAN21_VAE_CONFIG.read_text(encoding="utf-8"))
+    if vae_file is not None:
+        reader = SafetensorsReader(Path(vae_file))
+        keys = reader.keys()
+        for key in ("encoder.conv1.weight", "encoder.conv_in.weight"):  # original, diffusers names
+            if key in keys:
+                config["base_dim"] = int(reader.shape(key)[0])
+                break
+    return config
 
 
 def _what(keys, table) -> str:
@@ -131,15 +146,39 @@ def text_encoder_state(path, dtype: torch.dtype, text_config) -> Dict[str, torch
     return state
 
 
-def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Path):
-    """Qwen3-VL from one file, with the config of ``config_folder`` (the package's ``text_encoder/``)."""
-    from transformers import AutoConfig, Qwen3VLForConditionalGeneration
+def sidecar_config(path) -> Path:
+    """A config beside a single file, read in its place (as other tools read ``<model>.yaml`` beside a
+    checkpoint): ``qwen3vl_small.safetensors`` -> ``qwen3vl_small.json``."""
+    return Path(path).with_suffix(".json")
 
-    if not (Path(config_folder) / "config.json").is_file():
-        raise ModelPackageError(
-            f"text_encoder: a single-file text encoder needs the Qwen3-VL config, which the pack does not ship: copy "
-            f"text_encoder/config.json of a LingBot-Video release into {config_folder}.")
-    config = AutoConfig.from_pretrained(str(config_folder), local_files_only=True)
+
+def text_encoder_config(config_folder: Optional[Path] = None, path=None):
+    """The Qwen3-VL config of a single-file text encoder ``path``: a ``<file stem>.json`` beside the file
+    when there is one, else the package's ``text_encoder/config.json`` (``config_folder``) when there is
+    one, else the shipped Qwen3-VL-4B config."""
+    from transformers import AutoConfig, Qwen3VLConfig
+
+    side = None if path is None else sidecar_config(path)
+    if side is not None and side.is_file():
+        try:
+            return Qwen3VLConfig(**json.loads(side.read_text(encoding="utf-8")))
+        except (ValueError, TypeError) as e:
+            raise ModelPackageError(f"text_encoder: {side.name} (the config beside {Path(path).name}) is not a "
+                                    f"Qwen3-VL config ({e}).") from None
+    folder = Path(config_folder) if config_folder is not None and (Path(config_folder) / "config.json").is_file() else QWEN3VL_DIR
+    return AutoConfig.from_pretrained(str(folder), local_files_only=True)
+
+
+def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Optional[Path] = None, config=None):
+    """Qwen3-VL from one file. Its config: ``config`` (a ``Qwen3VLConfig`` or its dict) when given, else
+    :func:`text_encoder_config` (beside the file, the package's, else the shipped 4B). The file's shapes
+    must match it."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    if config is None:
+        config = text_encoder_config(config_folder, path)
+    elif isinstance(config, dict):
+        config = Qwen3VLConfig(**config)
     state = text_encoder_state(path, dtype, config.text_config)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3VLForConditionalGeneration(config).state_dict().items()}
