@@ -496,6 +496,10 @@ class RemoteServer:
         url = self._url(path)
         try:
             status, raw = self._exchange("DELETE", path, time.monotonic() + seconds, job_id=job_id)
+        except RemoteTimeoutError:
+            note = f"could not delete job {job_id} at {url}: the server did not answer the DELETE within {seconds:g} s"
+            logger.warning("LingBot-Video remote: %s", note)
+            return note
         except RemoteServerError as e:
             note = scrub(f"could not delete job {job_id} at {url}: {e}", self._secrets)
             logger.warning("LingBot-Video remote: %s", note)
