@@ -129,8 +129,8 @@ def _check_layout(name: str, header: Dict[str, dict], data_bytes: int) -> None:
     last ends at the end of the file. Safetensors' own reader refuses anything else, but only when a
     tensor is first read (in the middle of a generation, without the file's name): this says it at load."""
     def bad(key: str, what: str) -> ModelPackageError:
-        return ModelPackageError(f"{name}: tensor {key[:200]!r} {what}; the file is damaged or was not written by a "
-                                 "safetensors writer, download it again.")
+        return ModelPackageError(f"{name} is not a readable safetensors file (tensor {key[:200]!r} {what}); it is "
+                                 "damaged or truncated, download it again.")
 
     spans = []
     for key, info in header.items():
@@ -138,8 +138,7 @@ def _check_layout(name: str, header: Dict[str, dict], data_bytes: int) -> None:
         if begin < 0 or end < begin:
             raise bad(key, f"has data_offsets [{begin}, {end}], which is not a range")
         if end > data_bytes:
-            raise bad(key, f"ends at byte {end:,} of the data, but the file holds {data_bytes:,} bytes of data (it "
-                      "may be truncated)")
+            raise bad(key, f"ends at byte {end:,} of the data, but the file holds {data_bytes:,} bytes of data")
         itemsize = _SAFETENSORS_DTYPES[info["dtype"]].itemsize
         if end - begin != itemsize * math.prod(info["shape"]):
             raise bad(key, f"takes {end - begin:,} bytes, but its {info['dtype']} shape {info['shape']} needs "
@@ -153,8 +152,9 @@ def _check_layout(name: str, header: Dict[str, dict], data_bytes: int) -> None:
             raise bad(key, f"{what} (it begins at byte {begin:,} of the data, the previous tensor ends at {position:,})")
         position = end
     if position != data_bytes:
-        raise ModelPackageError(f"{name}: the tensors end at byte {position:,} of the data but the file holds "
-                                f"{data_bytes:,}; the file is damaged, download it again.")
+        raise ModelPackageError(f"{name} is not a readable safetensors file (the tensors end at byte {position:,} of "
+                                f"the data but the file holds {data_bytes:,}); it is damaged or truncated, download "
+                                "it again.")
 
 
 def safetensors_header(path) -> Dict[str, dict]:
@@ -169,8 +169,7 @@ def check_readable(path: Path, component: str) -> None:
     try:
         _read_header(Path(path))
     except ModelPackageError as e:
-        raise ModelPackageError(f"{component}: {path.name} is not a readable safetensors file ({e}); it may be "
-                                "truncated, download it again.") from None
+        raise ModelPackageError(f"{component}: {e}") from None
     try:
         with safe_open(str(path), framework="pt", device="cpu"):
             pass
