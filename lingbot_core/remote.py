@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import threading
 import time
 import urllib.parse
 import uuid
@@ -26,24 +27,25 @@ from typing import Callable, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .net.chat_client import _preview
-from .net.http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url,
-                             check_key, loads_json, open_answer)
+from .net.http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep,
+                                 TransportError, answer_text, check_base_url, check_key, content_length, loads_json,
+                                 open_answer, scrub)
 from .model.latents import check_video_size, preprocess_first_frame
 from .memory.budget import trim_heap
 from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
 from .sampling.scheduling import shifted_sigmas
 from .prompts.text_conditioning import frames_for_prompt, parse_prompt, resolve_negative
-from .files.video_io import VideoMismatch, read_mp4
+from .files.video_io import NotAnMp4, VideoMismatch, read_mp4
 
 logger = logging.getLogger("lingbot_core")
 
 # A 121-frame 1080p H.264 render is tens of MB; anything near this is not a video of ours.
 DEFAULT_MAX_VIDEO_BYTES = 1 << 30
 MIN_POLL_SECONDS, MAX_POLL_SECONDS = 0.05, 60.0
-# Seconds the DELETE of an abandoned job may take, even after the deadline: a Cancel in ComfyUI must
-# free the worker within about a second, and a timed-out job end soon after its timeout.
-CANCEL_SECONDS = 1.5
+# Seconds the DELETE of an abandoned job may take, even after the job's deadline. It runs on its own
+# thread: a Cancel in ComfyUI returns at once (the DELETE finishes in the background), a timed-out or
+# refused job waits for it at most this long to say in its message what happened.
+CANCEL_SECONDS = 2.0
 MAX_JSON_BYTES = 1 << 22  # a job object or an error is a few kB
 VIDEO_BYTES_MARGIN = 1 << 24  # an mp4 is far smaller than its raw frames; a lossless one about as large
 DONE, FAILED = "completed", "failed"
@@ -95,9 +97,13 @@ class RemoteVideo:
         return "; ".join(parts)
 
 
-def _server_message(raw: bytes) -> str:
+def _server_message(raw: bytes, secrets=()) -> str:
     """The human part of an error answer: OpenAI/vLLM ``{"error": {"code", "message"}}``, SGLang
-    ``{"error": {"message"}}``, a failed job's ``error``, FastAPI ``{"detail": ...}``, else the text."""
+    ``{"error": {"message"}}``, a failed job's ``error``, FastAPI ``{"detail": ...}``, else the text;
+    scrubbed of ``secrets`` and anything shaped like a key."""
+    def _preview(text) -> str:
+        return answer_text(text, secrets)
+
     try:
         body = loads_json(raw)
     except ValueError:
@@ -192,6 +198,7 @@ class RemoteServer:
         self.base_url = url
         self.model = model.strip()
         self._api_key = check_key(api_key, where="api_key") if api_key else None
+        self._secrets = (self._api_key,) if self._api_key else ()
         self.timeout = timeout
         self.poll_seconds = poll_seconds
         self.max_video_bytes = int(max_video_bytes)
@@ -231,36 +238,70 @@ class RemoteServer:
         start = time.monotonic()
         deadline = start + self.timeout
         body, content_type = encode_multipart(fields, files)
-        job = self._submit(body, content_type, deadline, interrupt)
+        try:
+            job = self._submit(body, content_type, deadline, interrupt)
+        except RemoteServerError as e:
+            raise self._scrubbed(e)
         job_id = str(job["id"])
         seen = {"in_progress": job.get("status") == "in_progress"}
         try:
             job = self._wait(job, deadline, callback, seen, interrupt)
-        except RemoteJobFailed:
+            mp4 = self._download(job_id, deadline, frames_asked * height * width * 3 + VIDEO_BYTES_MARGIN, interrupt)
+            frames = self._decode(mp4, job_id, frames_asked, height, width)
+        except RemoteJobFailed as e:
+            raise self._scrubbed(e)  # nothing is left running on the server
+        except BaseException as e:  # Cancel, the deadline, a lost connection, a refused answer: free the server
+            self._give_up(job_id, seen["in_progress"], e)
             raise
-        except BaseException as e:  # interrupt, deadline, lost connection: do not leave the job running
-            note = self.cancel(job_id, saw_progress=seen["in_progress"])
-            if isinstance(e, RemoteServerError):
-                e.args = (e.args[0] + f" The job was deleted on the server ({note}).",)
-            raise
-        mp4 = self._download(job_id, deadline, frames_asked * height * width * 3 + VIDEO_BYTES_MARGIN, interrupt)
-        url = self._url(f"/v1/videos/{job_id}/content")
-        try:
-            frames = read_mp4(mp4, frames=frames_asked, height=height, width=width)
-        except VideoMismatch as e:
-            trim_heap()  # the decoder's buffers are freed; give their pages back
-            raise RemoteServerError(
-                f"job {job_id} on {self.base_url} sent {e}; refused before decoding it. The server may not honour "
-                "num_frames/width/height (check its version and model).", url=url, status=200, job_id=job_id) from None
-        except Exception as e:  # av.error.InvalidDataError and friends
-            trim_heap()
-            raise RemoteServerError(
-                f"the video of job {job_id} from {url} is not a readable mp4 ({type(e).__name__}: {_preview(str(e))}); "
-                f"{len(mp4):,} bytes arrived. The file may be truncated: check the server's disk and logs, then queue again.",
-                url=url, status=200, job_id=job_id, server_message=_preview(str(e))) from None
         out = frames.astype(np.float32)
         out /= np.float32(255.0)
-        return RemoteVideo(out, mp4, job, self.base_url, time.monotonic() - start)
+        return RemoteVideo(out, mp4, self._scrubbed_job(job), self.base_url, time.monotonic() - start)
+
+    def _decode(self, mp4: bytes, job_id: str, frames_asked: int, height: int, width: int) -> np.ndarray:
+        """The mp4's frames; refused (nothing decoded) unless it is an mp4 whose header matches the request."""
+        url = self._url(f"/v1/videos/{job_id}/content")
+        try:
+            return read_mp4(mp4, frames=frames_asked, height=height, width=width)
+        except (VideoMismatch, NotAnMp4) as e:
+            trim_heap()  # the decoder's buffers are freed; give their pages back
+            hint = ("The server may not honour num_frames/width/height (check its version and model)."
+                    if isinstance(e, VideoMismatch) else "Is base_url a LingBot-Video server?")
+            raise RemoteServerError(f"job {job_id} on {self.base_url} sent {e}; refused before decoding it. {hint}",
+                                    url=url, status=200, job_id=job_id) from None
+        except Exception as e:  # av.error.InvalidDataError and friends
+            trim_heap()
+            detail = answer_text(str(e), self._secrets)
+            raise RemoteServerError(
+                f"the video of job {job_id} from {url} is not a readable mp4 ({type(e).__name__}: {detail}); "
+                f"{len(mp4):,} bytes arrived. The file may be truncated: check the server's disk and logs, then queue again.",
+                url=url, status=200, job_id=job_id, server_message=detail) from None
+
+    def _scrubbed_job(self, job: dict) -> dict:
+        """The final job object with its text fields scrubbed (it ends up in the node's report)."""
+        return {k: scrub(v, self._secrets) if isinstance(v, str) else v for k, v in job.items()}
+
+    def _give_up(self, job_id: str, saw_progress: bool, error: BaseException) -> None:
+        """Delete an abandoned job on its own thread and deadline (CANCEL_SECONDS). A Cancel (any error that
+        is not the server's) returns at once; a RemoteServerError waits for the DELETE, at most
+        CANCEL_SECONDS, to say what happened, and leaves with its texts scrubbed of the key."""
+        result: List[str] = []
+        worker = threading.Thread(target=lambda: result.append(self.cancel(job_id, saw_progress=saw_progress)),
+                                  name=f"lingbot-delete-{job_id[:40]}", daemon=True)
+        worker.start()
+        if not isinstance(error, RemoteServerError):
+            return
+        worker.join(CANCEL_SECONDS + 0.25)
+        note = result[0] if result else f"a DELETE of job {job_id} was sent; the server has not answered it yet"
+        error.args = (error.args[0] + f" The job was deleted on the server ({note}).",)
+        self._scrubbed(error)
+
+    def _scrubbed(self, error: RemoteServerError) -> RemoteServerError:
+        """``error`` with its message, server message and job id scrubbed of the key (a server may echo it anywhere)."""
+        error.args = (scrub(error.args[0], self._secrets),)
+        error.server_message = scrub(error.server_message, self._secrets)
+        if error.job_id is not None:
+            error.job_id = scrub(error.job_id, self._secrets)
+        return error
 
     def request_fields(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None, width: int,
                        height: int, num_frames: int, steps: int, guidance_scale: float, shift: float, seed: int,
@@ -325,8 +366,9 @@ class RemoteServer:
             return RemoteServerError(f"cannot reach the video server at {url} ({e.reason}){job}; start the server (see "
                                      "README: Rendering on a GPU server), or fix its address.", url=url, job_id=job_id,
                                      server_message=e.reason)
-        return RemoteServerError(f"the video server: {e}{job}.", url=url, status=e.status, job_id=job_id,
-                                 server_message=_preview(str(e)))
+        detail = answer_text(str(e), self._secrets)
+        return RemoteServerError(f"the video server: {answer_text(str(e), self._secrets, 1000)}{job}.", url=url,
+                                 status=e.status, job_id=job_id, server_message=detail)
 
     def _exchange(self, method: str, path: str, deadline: float, *, job_id: Optional[str] = None,
                   interrupt: Interrupt = None, **kw):
@@ -341,7 +383,7 @@ class RemoteServer:
             url=url, job_id=job_id)
 
     def _error(self, what: str, url: str, status: int, raw: bytes, job_id: Optional[str], hint: str = "") -> RemoteServerError:
-        message = _server_message(raw)
+        message = _server_message(raw, self._secrets)
         job = f" (job {job_id})" if job_id else ""
         return RemoteServerError(f"{what}: {url} answered HTTP {status}{job}: {message}{hint}",
                                  url=url, status=status, job_id=job_id, server_message=message)
@@ -355,8 +397,9 @@ class RemoteServer:
             raise self._error("the video server refused the job", url, status, raw, None, hint)
         job = _job_body(raw, url, None)
         if job is None or not str(job.get("id", "")):
-            raise RemoteServerError(f"{url} answered HTTP {status} without a video job: {_preview(raw)}",
-                                    url=url, status=status, server_message=_preview(raw))
+            shown = answer_text(raw, self._secrets)
+            raise RemoteServerError(f"{url} answered HTTP {status} without a video job: {shown}",
+                                    url=url, status=status, server_message=shown)
         if job["status"] == FAILED:
             raise self._failed(url, status, job)
         return job
@@ -368,7 +411,7 @@ class RemoteServer:
             message = (f"[{code}] " if code not in (None, "") else "") + str(err.get("message", ""))
         else:
             message = str(err or "no error message")
-        message = _preview(message)
+        message = answer_text(message, self._secrets)
         return RemoteJobFailed(f"the video server failed job {job.get('id')}: {url} answered HTTP {status} with "
                                  f"status 'failed': {message}", url=url, status=status, job_id=str(job.get("id")),
                                  server_message=message)
@@ -396,9 +439,10 @@ class RemoteServer:
             if status == FAILED:
                 raise self._failed(url, 200, job)
             if status not in RUNNING:
-                raise RemoteServerError(f"{url} reports job {job_id} with status {_preview(repr(status))}, which is "
-                                        "neither queued, in progress, completed nor failed.", url=url, status=200,
-                                        job_id=job_id, server_message=_preview(repr(job)))
+                raise RemoteServerError(f"{url} reports job {job_id} with status "
+                                        f"{answer_text(repr(status), self._secrets)}, which is neither queued, in "
+                                        "progress, completed nor failed.", url=url, status=200, job_id=job_id,
+                                        server_message=answer_text(repr(job), self._secrets))
             pause = min(self.poll_seconds, deadline - time.monotonic())
             if pause <= 0:
                 raise self._timed_out(url, job_id)
@@ -428,16 +472,17 @@ class RemoteServer:
                 raise self._error(f"could not download the video of job {job_id}", url, status, raw, job_id)
             content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
             if content_type != "video/mp4":
-                raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {_preview(content_type) or 'none'!r}, "
-                                        "not video/mp4; is base_url a LingBot-Video server?", url=url, status=status,
-                                        job_id=job_id, server_message=_preview(content_type))
-            length = headers.get("Content-Length")
-            if length is not None and length.isdigit() and int(length) > limit:
-                raise RemoteServerError(f"{url} (job {job_id}) announced {int(length):,} bytes of video, more than the "
+                shown = answer_text(content_type, self._secrets, 80)
+                raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {shown or 'none'!r}, not video/mp4 "
+                                        "(only mp4 is accepted); is base_url a LingBot-Video server?", url=url,
+                                        status=status, job_id=job_id, server_message=shown)
+            length = content_length(headers, url)  # ASCII digits: checked by the transport when the answer came
+            if length is not None and length > limit:
+                raise RemoteServerError(f"{url} (job {job_id}) announced {length:,} bytes of video, more than the "
                                         f"limit of {limit:,}; refused.", url=url, status=status, job_id=job_id)
             data = self._read(answer, url, job_id, limit=limit)
-        if length is not None and length.isdigit() and len(data) != int(length):
-            raise RemoteServerError(f"the video of job {job_id} from {url} is truncated: {len(data):,} of {int(length):,} "
+        if length is not None and len(data) != length:
+            raise RemoteServerError(f"the video of job {job_id} from {url} is truncated: {len(data):,} of {length:,} "
                                     "bytes arrived. Queue again.", url=url, status=status, job_id=job_id)
         return data
 
@@ -451,18 +496,23 @@ class RemoteServer:
         url = self._url(path)
         try:
             status, raw = self._exchange("DELETE", path, time.monotonic() + seconds, job_id=job_id)
+        except RemoteTimeoutError:
+            note = f"could not delete job {job_id} at {url}: the server did not answer the DELETE within {seconds:g} s"
+            logger.warning("LingBot-Video remote: %s", note)
+            return note
         except RemoteServerError as e:
-            note = f"could not delete job {job_id} at {url}: {e}"
+            note = scrub(f"could not delete job {job_id} at {url}: {e}", self._secrets)
             logger.warning("LingBot-Video remote: %s", note)
             return note
         if status == 409:
             note = f"job {job_id}: {url} is already cancelling it (HTTP 409)"
         elif not 200 <= status < 300:
-            note = f"job {job_id}: DELETE {url} answered HTTP {status}: {_server_message(raw)}"
+            note = f"job {job_id}: DELETE {url} answered HTTP {status}: {_server_message(raw, self._secrets)}"
         elif saw_progress:
             note = f"job {job_id} cancelled on {url}"
         else:
             note = (f"job {job_id} deleted on {url}; an SGLang Diffusion server only forgets a deleted job and keeps "
                     "rendering it until it is done (vLLM-Omni cancels it)")
+        note = scrub(note, self._secrets)
         logger.warning("LingBot-Video remote: %s.", note)
         return note

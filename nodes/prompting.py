@@ -93,15 +93,19 @@ class LingbotRewriterServer:
                               "tooltip": "Step 2 (MAP): the base VLM with the rewriter LoRA, under the name the server gives it (e.g. vLLM --lora-modules NAME=PATH)."}),
                 "system_prompts": (sorted(list_system_prompts()) or [NO_PROMPTS],
                                    {"tooltip": "The release's rewriter system prompts, from models/lingbot_rewriter: its prompt module (.py, read as data, never run) or a folder with it and/or VIDEO_STEP1_EXPAND.txt-style files."}),
+            },
+            # Optional only so that an API-format workflow from before the server list (no server input) gets
+            # the pack's message naming the entry to add; the widgets keep their order (required, then these).
+            "optional": {
                 "server": server_input("chat", "chat server"),
                 "timeout": ("INT", {"default": 600, "min": 1, "max": 7200, "tooltip": "Seconds each answer may take, every byte included (a 27B model writing 6k tokens can take minutes)."}),
                 "disable_thinking": ("BOOLEAN", {"default": True,
                                      "tooltip": "Send chat_template_kwargs.enable_thinking=false, as the release (Qwen3-family servers). Turn off for a server that rejects unknown fields."}),
-            }
+            },
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, server, base_url):
+    def VALIDATE_INPUTS(cls, server=None, base_url=None):
         return check_server(server, base_url, "chat")
 
     @classmethod
@@ -114,7 +118,8 @@ class LingbotRewriterServer:
         files = [path] if os.path.isfile(path) else [os.path.join(path, f) for f in sorted(os.listdir(path))]
         return tuple(os.path.getmtime(f) for f in files) + (list_version(),)
 
-    def configure(self, base_url, expand_model, map_model, system_prompts, server, timeout, disable_thinking):
+    def configure(self, base_url, expand_model, map_model, system_prompts, server=None, timeout=600,
+                  disable_thinking=True):
         # The server list, a URL that is not on this machine, or a missing key are reported here, on this node.
         chosen = endpoint(server, base_url, "chat")
         server = ChatServer(chosen.base_url, chosen.api_key, float(timeout), bool(disable_thinking),

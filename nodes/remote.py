@@ -15,6 +15,7 @@ from .sampling import GenerateVideo
 from .server_list import check_server, endpoint, list_version, server_input
 
 logger = logging.getLogger("lingbot_video_nodes")
+DEFAULT_TIMEOUT, DEFAULT_POLL = 600, 2.0
 
 
 def video_output(mp4: bytes):
@@ -70,27 +71,33 @@ class LingbotRemoteServer:
                              "tooltip": "Used only when server is '(this machine: ...)': a server on this machine (127.0.0.1, ::1, localhost), http://127.0.0.1:30000 for SGLang Diffusion, :8091 for vLLM-Omni; never sent a key."}),
                 "model": ("STRING", {"default": "robbyant/lingbot-video-moe-30b-a3b",
                           "tooltip": "The model name the server serves (vLLM-Omni refuses any other: 'Model mismatch'). A server list entry with its own \"model\" uses that one."}),
+            },
+            # Optional only so that an API-format workflow from before the server list (no server input) gets
+            # the pack's message naming the entry to add; the widgets keep their order (required, then these).
+            "optional": {
                 "server": server_input("video", "Videos-API server"),
-                "timeout": ("INT", {"default": 600, "min": 5, "max": 86400,
+                "timeout": ("INT", {"default": DEFAULT_TIMEOUT, "min": 5, "max": 86400,
                             "tooltip": "Seconds a whole job may take, from submit to the downloaded mp4, every byte included; past it the job is cancelled and the node fails. The MoE takes minutes per video on one GPU."}),
-                "poll_seconds": ("FLOAT", {"default": 2.0, "min": MIN_POLL_SECONDS, "max": MAX_POLL_SECONDS, "step": 0.5,
+                "poll_seconds": ("FLOAT", {"default": DEFAULT_POLL, "min": MIN_POLL_SECONDS, "max": MAX_POLL_SECONDS, "step": 0.5,
                                  "tooltip": "Seconds between status requests (ComfyUI's cancel works at any moment)."}),
-            }
+            },
         }
 
     @classmethod
-    def VALIDATE_INPUTS(cls, server, base_url):
+    def VALIDATE_INPUTS(cls, server=None, base_url=None):
         return check_server(server, base_url, "video")
 
     @classmethod
     def IS_CHANGED(cls, **_):
         return list_version()
 
-    def configure(self, base_url, model, server, timeout, poll_seconds):
+    def configure(self, base_url, model, server=None, timeout=None, poll_seconds=None):
         # The server list, a URL that is not on this machine, or a missing key are reported here, on this node.
         chosen = endpoint(server, base_url, "video")
-        return (RemoteServer(chosen.base_url, chosen.model or model, chosen.api_key, timeout=timeout,
-                             poll_seconds=poll_seconds, allow_http=chosen.allow_http),)
+        return (RemoteServer(chosen.base_url, chosen.model or model, chosen.api_key,
+                             timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
+                             poll_seconds=DEFAULT_POLL if poll_seconds is None else poll_seconds,
+                             allow_http=chosen.allow_http),)
 
 
 def _remote_inputs() -> dict:

@@ -24,8 +24,10 @@ def server_input(kind: str, what: str) -> tuple:
 
 
 def check_server(server, base_url, kind: str):
-    """ComfyUI's VALIDATE_INPUTS answer: True, or the reason (the prompt is refused with HTTP 400)."""
-    if base_url is None and (server or "").strip() in ("", LOCAL):
+    """ComfyUI's VALIDATE_INPUTS answer: True, or the reason (the prompt is refused with HTTP 400). ``server``
+    None: an API-format workflow from before the server list (the input is optional so that the pack, not
+    ComfyUI's "Required input is missing", says which entry to add)."""
+    if server is not None and base_url is None and server in ("", LOCAL):
         return True  # base_url comes from a link: checked when the node runs
     try:
         select_server(server, base_url, kind=kind, path=servers_file())

@@ -61,6 +61,8 @@ class Script:
     drip: Optional[str] = None  # a stage of STAGES whose answer is dripped
     redirect: Optional[tuple] = None  # (stage, status, location): that stage answers a redirect
     poll_raw: Optional[bytes] = None  # the body of every status answer (200, application/json)
+    error_message: Optional[str] = None  # the submit error's text; "{auth}" becomes the Authorization received
+    length_header: Optional[str] = None  # the content answer's Content-Length value, as sent (e.g. "²")
 
 
 def pattern(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -165,7 +167,7 @@ class VideosServer:
                     owner.requests.append(entry)
 
             def _send(self, status: int, data: bytes, content_type: str = "application/json",
-                      length: Optional[int] = None, script: Optional[Script] = None, stage: str = ""):
+                      length=None, script: Optional[Script] = None, stage: str = ""):
                 if script is not None and script.redirect is not None and script.redirect[0] == stage:
                     _, status, location = script.redirect
                     data, content_type, length = b"", "text/plain", 0
@@ -195,7 +197,8 @@ class VideosServer:
                     body = json.loads(raw or b"null")
                 self._record(fields, files, body)
                 status, value, script = owner._create(self.path, fields if fields is not None else body, files or {},
-                                                      multipart=fields is not None)
+                                                      multipart=fields is not None,
+                                                      auth=self.headers.get("Authorization") or "")
                 self._json(status, value, script, "submit")
 
             def do_GET(self):
@@ -234,7 +237,7 @@ class VideosServer:
             return status, {"error": {"code": status, "message": message}}
         return status, {"error": {"message": message}}
 
-    def _create(self, path: str, fields, files, multipart: bool):
+    def _create(self, path: str, fields, files, multipart: bool, auth: str = ""):
         if path != "/v1/videos":
             return (*self._error(404, f"not found: {path}"), None)
         if self.dialect == "vllm" and not multipart:
@@ -248,7 +251,9 @@ class VideosServer:
         if script.submit_delay:
             time.sleep(script.submit_delay)
         if script.submit_status != 200:
-            return (*self._error(script.submit_status, "Internal Server Error: the pipeline crashed (CUDA error)"), script)
+            message = (script.error_message or "Internal Server Error: the pipeline crashed (CUDA error)").replace(
+                "{auth}", auth)
+            return (*self._error(script.submit_status, message), script)
         job_id = "video_" + uuid.uuid4().hex[:12]
         job = {"id": job_id, "object": "video", "model": fields.get("model"), "status": "queued", "progress": 0,
                "created_at": int(time.time()), "size": fields.get("size"), "seconds": None}
@@ -311,6 +316,8 @@ class VideosServer:
             self.sent[job["id"]] = data
         if script.truncate is not None:
             data = data[: script.truncate]
+        if script.length_header is not None:
+            length = script.length_header
         handler._send(200, data, script.content_type, length if script.announce_length else None, script, "content")
 
     def _delete(self, path: str):

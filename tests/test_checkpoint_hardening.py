@@ -126,3 +126,80 @@ def test_overflowing_lora_factors_name_the_stack_instead_of_a_black_video(packag
         assert torch.equal(pipe.generate(PROMPT, **RUN, output_type="latent"), base)
     finally:
         pipe.release()
+
+
+# -- tensor layouts (issue 30): offsets that safetensors' own reader refuses only when a tensor is read ----
+
+def _relayout(src: Path, dst: Path, change) -> Path:
+    """``src`` with its header's tensor table changed by ``change(table)`` (the data bytes as they are)."""
+    raw = src.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    table = json.loads(raw[8:8 + n])
+    change(table)
+    text = json.dumps(table).encode()
+    dst.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + n:])
+    return dst
+
+
+def _same_size_pair(table):
+    """Two tensors of the same dtype and byte size (the second after the first in the file)."""
+    seen = {}
+    for key, info in sorted(((k, v) for k, v in table.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"]):
+        span = info["data_offsets"][1] - info["data_offsets"][0]
+        if span and (info["dtype"], span) in seen:
+            return seen[(info["dtype"], span)], key
+        seen.setdefault((info["dtype"], span), key)
+    raise AssertionError("no two tensors of one size")
+
+
+def _overlap(table):
+    first, second = _same_size_pair(table)
+    table[second]["data_offsets"] = list(table[first]["data_offsets"])  # two tensors share bytes, a gap elsewhere
+
+
+LAYOUTS = {  # a valid 3-tensor file (two F32 [2, 2] then an F16 [4]) changed; what the error must say
+    "overlapping": (lambda t: t["b"].update(data_offsets=[8, 24]), "overlaps the tensor before it"),
+    "a gap": (lambda t: t.update(c={"dtype": "F16", "shape": [2], "data_offsets": [36, 40]}), "leaves a gap"),
+    "unsorted in the table, but tiling": (lambda t: [t.update({k: t.pop(k)}) for k in ("b", "a")], None),
+    "a size that is not dtype x shape": (lambda t: t["c"].update(shape=[3]), "but its F16 shape [3] needs 6"),
+    "past the end of the file": (lambda t: t["c"].update(data_offsets=[32, 48], shape=[8]), "ends at byte 48"),
+    "bytes after the last tensor": (lambda t: t["c"].update(data_offsets=[32, 36], shape=[2]), "the tensors end at byte 36"),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUTS))
+def test_tensor_offsets_are_checked_at_load_for_every_reader(tmp_path, case):
+    from lingbot_core.files.checkpoint_files import check_readable
+
+    src = tmp_path / "ok.safetensors"
+    save_file({"a": torch.ones(2, 2), "b": torch.full((2, 2), 2.0), "c": torch.ones(4, dtype=torch.float16)}, str(src))
+    change, message = LAYOUTS[case]
+    path = _relayout(src, tmp_path / f"{case.replace(' ', '_')}.safetensors", change)
+    if message is None:  # the table's key order is free; only the byte layout counts
+        assert SafetensorsReader(path).get("b").tolist() == [[2.0, 2.0], [2.0, 2.0]]
+        return
+    for read in (SafetensorsReader, safetensors_header, lambda p: check_readable(p, "transformer")):
+        with pytest.raises(ModelPackageError) as info:
+            read(path)
+        assert path.name in str(info.value) and message in str(info.value), str(info.value)
+
+
+def test_overlapping_tensors_are_refused_by_the_package_the_single_file_and_the_lora_loader(packages, tmp_path):
+    """The DiT of a package, the same DiT chosen as a single file, and a LoRA: each names its file at load
+    (before, an overlapping DiT passed the loader and failed in GenerateVideo without the file's name)."""
+    import shutil
+
+    package = tmp_path / "package"
+    shutil.copytree(packages["dense"], package)
+    dit = package / "transformer" / "diffusion_pytorch_model.safetensors"
+    single = _relayout(dit, tmp_path / "lingbot_dense_overlap.safetensors", _overlap)
+    shutil.copyfile(single, dit)
+    with pytest.raises(ModelPackageError, match=r"diffusion_pytorch_model\.safetensors.*overlaps the tensor before it"):
+        load_pipeline(package, device="cpu")
+    with pytest.raises(ModelPackageError, match=r"lingbot_dense_overlap\.safetensors.*overlaps the tensor before it"):
+        load_pipeline(packages["dense"], device="cpu", transformer_file=single)
+    lora = tmp_path / "style.safetensors"
+    _lora(lora, 0.01)
+    bad_lora = _relayout(lora, tmp_path / "style_overlap.safetensors", _overlap)
+    with pytest.raises(LoraError, match=r"style_overlap\.safetensors.*overlaps the tensor before it"):
+        load_pipeline(packages["dense"], device="cpu", loras=[(bad_lora, 1.0)])

@@ -168,19 +168,20 @@ def _cancel_after_first_poll():
     return callback
 
 
-# (script, client keywords, expected error type, message parts, whether a DELETE must reach the server)
+# (script, client keywords, expected error type, message parts, whether a DELETE must reach the server: every
+# job the client gives up after submitting it is deleted; a failed job, or one never created, is not)
 FAILURES = {
     "500": (Script(submit_status=500), {}, RemoteServerError, ["HTTP 500", "the pipeline crashed"], False),
     "failed job": (Script(fail="CUDA out of memory at step 3"), {}, RemoteServerError,
                    ["failed job", "CUDA out of memory at step 3"], False),
     "wrong content type": (Script(content_type="text/html", content=b"<html>proxy login</html>"), {},
-                           RemoteServerError, ["text/html", "not video/mp4"], False),
-    "truncated, length announced": (Script(truncate=3000), {}, RemoteServerError, ["3,000", "bytes"], False),
+                           RemoteServerError, ["text/html", "not video/mp4"], True),
+    "truncated, length announced": (Script(truncate=3000), {}, RemoteServerError, ["3,000", "bytes"], True),
     "truncated, short file": (Script(content=b"\x00\x00\x00\x20ftypisom" + b"\x00" * 200), {}, RemoteServerError,
-                              ["not a readable mp4", "truncated"], False),
-    "oversized, announced": (Script(), dict(max_video_bytes=4000), RemoteServerError, ["more than the limit", "4,000"], False),
+                              ["not an mp4", "refused before decoding"], True),
+    "oversized, announced": (Script(), dict(max_video_bytes=4000), RemoteServerError, ["more than the limit", "4,000"], True),
     "oversized, unannounced": (Script(announce_length=False), dict(max_video_bytes=4000), RemoteServerError,
-                               ["larger than 4,000 bytes"], False),
+                               ["larger than 4,000 bytes"], True),
     "timeout while rendering": (Script(never_finishes=True), dict(timeout=1.0), RemoteTimeoutError,
                                 ["timeout=1 s", "did not finish job"], True),
     "slow submit": (Script(submit_delay=2.5), dict(timeout=1.0), RemoteTimeoutError, ["timeout=1 s"], False),
@@ -196,9 +197,13 @@ def test_failure_is_named_and_the_next_prompt_succeeds(videos, case, caplog):
     videos.scripts.append(script)
     remote = client(videos, **kw)
     start = time.monotonic()
-    with caplog.at_level(logging.WARNING, logger="lingbot_core"), pytest.raises(error) as info:
-        remote.generate("a kite", callback=callback, **JOB)
-    assert time.monotonic() - start < remote.timeout + 2  # never hangs past the timeout
+    with caplog.at_level(logging.WARNING, logger="lingbot_core"):
+        with pytest.raises(error) as info:
+            remote.generate("a kite", callback=callback, **JOB)
+        assert time.monotonic() - start < remote.timeout + 2  # never hangs past the timeout
+        end = time.monotonic() + 3  # a Cancel's DELETE finishes on its own thread
+        while deletes and "LingBot-Video remote: job" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.02)
     text = str(info.value)
     for part in parts:
         assert part in text, text

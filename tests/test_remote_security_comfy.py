@@ -35,6 +35,7 @@ HF_SECRET = "hf_" + uuid.uuid4().hex
 JOB = dict(width=96, height=64, num_frames=5, steps=2, guidance_scale=3.0, shift=3.0)
 MIB = 1 << 20
 _seeds = itertools.count(100)
+_LIST_FILE: list = []  # the server list the ComfyUI of this module reads
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +50,7 @@ def env(tmp_path_factory):
         {"name": "home", "kind": "video", "base_url": home.url, "model": MODEL, "api_key_env": "LINGBOT_TEST_KEY"},
         {"name": "home chat", "kind": "chat", "base_url": home.url + "/v1", "api_key_env": "LINGBOT_TEST_KEY"},
     ]}), encoding="utf-8")
+    _LIST_FILE[:] = [servers]
     comfy = ComfyServer(base, env={"LINGBOT_SERVERS": str(servers), "LINGBOT_TEST_KEY": SECRET, "HF_TOKEN": HF_SECRET})
     comfy.start()
     yield comfy, home, attacker
@@ -65,14 +67,14 @@ def servers(env):
     return env
 
 
-def graph(server="home", base_url="http://127.0.0.1:1", timeout=60, seed=None) -> dict:
+def graph(server="home", base_url="http://127.0.0.1:1", timeout=60, seed=None, **job) -> dict:
     seed = next(_seeds) if seed is None else seed
     return {
         "1": {"class_type": "LingbotRemoteServer", "inputs": {"base_url": base_url, "model": MODEL, "server": server,
                                                               "timeout": timeout, "poll_seconds": 0.1}},
         "2": {"class_type": "LingbotRemoteGenerate", "inputs": {
             "server": ["1", 0], "prompt": "a red kite", "negative_prompt": "", "seed": seed, "fps": 24,
-            "use_caption_duration": False, **JOB}},
+            "use_caption_duration": False, **{**JOB, **job}}},
         "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": f"sec_{seed}"}},
     }
 
@@ -117,7 +119,9 @@ def legacy_example(object_info, widgets) -> dict:
 def test_a_workflow_cannot_send_a_key_anywhere_but_its_configured_server(servers):
     comfy, home, attacker = servers
     info = comfy.object_info("LingbotRemoteServer")
-    assert info["input"]["required"]["server"][0] == ["home", LOCAL]
+    assert info["input"]["optional"]["server"][0] == ["home", LOCAL]
+    assert list(info["input"]["required"]) + list(info["input"]["optional"]) == [
+        "base_url", "model", "server", "timeout", "poll_seconds"]  # the widgets' order of saved workflows
     # An old workflow naming a key's variable: refused at queue time (HTTP 400), saying how to add the server.
     msg = refused(comfy, legacy_example(comfy.object_info(), [attacker.url, MODEL, "HF_TOKEN", 60, 0.1]))
     assert "names the environment variable HF_TOKEN" in msg and "Add the server to" in msg and HF_SECRET not in msg
@@ -200,3 +204,163 @@ def test_small_but_huge_mp4s_are_refused_without_the_ram(servers, size, what, re
     assert what in err["exception_message"] and "5 frames of 96x64 were asked for" in err["exception_message"]
     assert rise < 100 * MIB
     next_prompt_matches_the_core_client(comfy, home)
+
+
+# -- round two (issue 30, issue 28's remote rows, issue 33) --------------------------------------
+
+def _peak_rise(comfy, run):
+    """(what ``run()`` returned, the ComfyUI process's peak RSS rise in bytes during it)."""
+    pid = comfy.proc.pid
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    before = _ram_kib("VmRSS", pid)
+    out = run()
+    return out, _ram_kib("VmHWM", pid) - before
+
+
+def _png_8192() -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((8192, 8192), dtype=np.uint16)).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+ANSWERS = {  # what a server sends as video/mp4, the request's size, what the error must say
+    # ComfyUI's own input/example.png (768x768), named relative to ComfyUI's working directory.
+    "an ffconcat list of a local file": (b"ffconcat version 1.0\nfile 'input/example.png'\n" * 5,
+                                         dict(width=768, height=768), "not an mp4 file"),
+    "a flat 16-bit 8192x8192 PNG": (None, {}, "not an mp4 file"),
+}
+
+
+@pytest.mark.parametrize("case", list(ANSWERS))
+def test_only_an_mp4_is_opened_and_before_anything_is_decoded(servers, case, record_property):
+    comfy, home, _ = servers
+    data, size, message = ANSWERS[case]
+    data = _png_8192() if data is None else data
+    next_prompt_matches_the_core_client(comfy, home)  # warm
+    home.clear()
+    home.scripts.append(Script(content=data))
+    start = time.monotonic()
+    entry, rise = _peak_rise(comfy, lambda: comfy.run(graph(**size), timeout=120, check=False))
+    elapsed = time.monotonic() - start
+    record_property("peak_rss_rise_mib", round(rise / MIB, 1))
+    print(f"\n{case} ({len(data):,} bytes): refused in {elapsed:.2f} s, peak RSS rise {rise / MIB:.1f} MiB")
+    err = execution_error(entry)
+    assert err is not None and message in err["exception_message"], err
+    assert "refused before decoding" in err["exception_message"]
+    assert comfy.output_files(entry) == []  # no pixels of any file came back
+    assert rise < 100 * MIB
+    assert any(m == "DELETE" for m, _ in home.calls())  # a refused answer: the job is deleted
+    next_prompt_matches_the_core_client(comfy, home)
+
+
+def test_a_key_the_server_echoes_is_in_no_message_history_or_log(servers, record_property):
+    comfy, home, _ = servers
+    home.scripts.append(Script(submit_status=401, error_message="invalid credentials: {auth}"))
+    start = time.monotonic()
+    entry = comfy.run(graph(), timeout=120, check=False)
+    print(f"\n401 echoing the key: refused in {time.monotonic() - start:.2f} s")
+    err = execution_error(entry)
+    assert "HTTP 401" in err["exception_message"] and "invalid credentials: Bearer ***" in err["exception_message"]
+    assert SECRET in json.dumps(home.requests)  # it was sent, and echoed
+    history = json.dumps(comfy.get("/history"))
+    log = comfy.log_path.read_text(encoding="utf-8", errors="replace")
+    assert SECRET not in history and SECRET not in log and SECRET not in json.dumps(entry)
+    next_prompt_matches_the_core_client(comfy, home)
+
+
+def test_a_stalled_download_ends_at_the_timeout_and_deletes_the_job(servers, record_property):
+    comfy, home, _ = servers
+    home.scripts.append(Script(drip="content"))
+    start = time.monotonic()
+    entry = comfy.run(graph(timeout=5), timeout=60, check=False)
+    elapsed = time.monotonic() - start
+    record_property("stalled_download_timeout5_s", round(elapsed, 2))
+    print(f"\nstalled download with timeout=5: the prompt ended after {elapsed:.2f} s")
+    err = execution_error(entry)
+    assert "timeout=5 s" in err["exception_message"] and "The job was deleted on the server" in err["exception_message"]
+    assert any(m == "DELETE" for m, _ in home.calls())
+    assert elapsed < 9.0
+    next_prompt_matches_the_core_client(comfy, home)
+
+
+def test_a_listed_name_with_a_trailing_space_is_refused(servers):
+    comfy, home, _ = servers
+    msg = refused(comfy, graph("home "))
+    assert "not a video server in" in msg and "home" in msg
+    assert home.requests == []
+
+
+@pytest.fixture
+def server_list(servers):
+    """A writer for the server list that moves its mtime one second on per write (whatever the
+    filesystem's clock grain); the original list is restored afterwards."""
+    import os
+
+    path = _LIST_FILE[0]
+    original = path.read_bytes()
+    mtime = [path.stat().st_mtime]
+
+    def write(data: bytes):
+        path.write_bytes(data)
+        mtime[0] += 1
+        os.utime(path, (mtime[0], mtime[0]))
+
+    yield original, write
+    write(original)
+
+
+def test_an_edited_list_of_the_same_size_is_read_again(servers, server_list):
+    """IS_CHANGED follows the file's mtime: the same prompt after an edit that keeps the size goes to the
+    server the list now names, instead of ComfyUI's cached answer."""
+    comfy, home, attacker = servers
+    original, write = server_list
+    if len(home.url) != len(attacker.url):
+        pytest.skip("the two test servers' ports differ in length")
+    prompt = graph(seed=next(_seeds))
+    home.scripts.append(Script(lossless=True))
+    comfy.run(prompt, timeout=120)
+    assert len(home.posts()) == 1 and attacker.posts() == []
+    edited = original.replace(home.url.encode(), attacker.url.encode())
+    assert len(edited) == len(original) and edited != original
+    write(edited)
+    comfy.run(prompt, timeout=120)  # the very same prompt
+    assert len(attacker.posts()) == 1 and len(home.posts()) == 1
+
+
+def test_a_key_pasted_into_api_key_env_is_refused_without_echo(servers, server_list):
+    comfy, home, _ = servers
+    original, write = server_list
+    pasted = "hf_" + uuid.uuid4().hex[:16] + "AbCdEfGhIjKlMnOpQr"
+    listed = json.loads(original)
+    listed["servers"][0]["api_key_env"] = pasted
+    write(json.dumps(listed).encode())
+    msg = refused(comfy, graph())
+    assert "looks like a key, not the name of an environment variable" in msg
+    assert pasted not in msg and pasted not in comfy.log_path.read_text(encoding="utf-8", errors="replace")
+    assert home.requests == []
+
+
+OLD_API = {  # API-format workflows saved before the server list: api_key_env where server is now
+    "LingbotRemoteServer": ({"base_url": "https://gpu-box:8091", "model": MODEL, "api_key_env": "MY_KEY",
+                             "timeout": 60, "poll_seconds": 0.1}, "LingBot-Video Remote Server", "video"),
+    "LingbotRewriterServer": ({"base_url": "https://gpu-box:8000/v1", "expand_model": "m", "map_model": "m",
+                               "system_prompts": "x", "api_key_env": "MY_KEY", "timeout": 30,
+                               "disable_thinking": True}, "LingBot-Video Rewriter Server", "chat"),
+}
+
+
+@pytest.mark.parametrize("node", list(OLD_API))
+def test_an_api_workflow_without_a_server_input_is_told_which_entry_to_add(servers, node):
+    comfy, home, _ = servers
+    inputs, title, kind = OLD_API[node]
+    msg = refused(comfy, {"1": {"class_type": node, "inputs": inputs},
+                          "2": {"class_type": "PreviewAny", "inputs": {"source": ["1", 0]}}})
+    assert "Required input is missing" not in msg, msg
+    assert f"its {title} node has no server input" in msg and "servers.json" in msg, msg
+    assert f'\\"kind\\": \\"{kind}\\", \\"base_url\\": \\"{inputs["base_url"]}\\"' in msg, msg
+    assert home.requests == []

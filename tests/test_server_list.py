@@ -173,3 +173,89 @@ def test_cli_reads_the_key_variable_it_is_given(tmp_path, monkeypatch, capsys):
                  "LINGBOT_TEST_CLI_KEY"]) == 2
     out = capsys.readouterr()
     assert "environment variable LINGBOT_TEST_CLI_KEY" in out.err and SECRET not in out.err + out.out
+
+
+# -- round two (issue 30; issue 28's server-list rows) ---------------------------------------------
+
+def _read_in_a_thread(path, seconds=5.0):
+    """read_servers(path) on a thread: (finished, the error or result); never hangs the test."""
+    import threading
+
+    out = []
+
+    def run():
+        try:
+            out.append(read_servers(path))
+        except Exception as e:  # noqa: BLE001 - returned to the test
+            out.append(e)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return (not thread.is_alive()), (out[0] if out else None)
+
+
+def test_a_list_that_is_a_fifo_or_a_device_is_refused_unread(tmp_path, monkeypatch):
+    import os
+
+    fifo = tmp_path / "servers.fifo"
+    os.mkfifo(fifo)  # no writer: a blocking open would wait forever
+    zero = tmp_path / "zero.json"
+    zero.symlink_to("/dev/zero")  # endless: reading it whole ends in MemoryError
+    for path in (fifo, zero, tmp_path):
+        finished, result = _read_in_a_thread(path)
+        assert finished, f"reading {path} blocked"
+        assert isinstance(result, ServerListError) and "is not a regular file" in str(result), result
+    # A symlink to a regular file is still fine, and the names offered come from it.
+    real = write(tmp_path, GOOD, "real.json")
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    assert server_names(link, "video") == ["gpu-box", "lan-box"]
+    monkeypatch.setenv(ENV, str(fifo))
+    assert server_names(servers_path(), "video") == []  # the dropdown: empty, with the reason logged
+
+
+def test_a_name_that_is_used_twice_is_refused_even_across_kinds(tmp_path):
+    path = write(tmp_path, [GOOD[0], {"name": "gpu-box", "kind": "chat", "base_url": "http://127.0.0.1:8000/v1"}])
+    with pytest.raises(ServerListError, match="'gpu-box': the name is used twice"):
+        read_servers(path)
+    with pytest.raises(ServerListError, match="used twice"):
+        select_server("gpu-box", None, kind="chat", path=path)
+
+
+@pytest.mark.parametrize("typed", ["gpu-box ", " gpu-box", "gpu-box\t", "GPU-box"])
+def test_server_names_match_exactly(tmp_path, monkeypatch, typed):
+    path = write(tmp_path, GOOD)
+    monkeypatch.setenv("LINGBOT_TEST_GPU_KEY", SECRET)
+    with pytest.raises(ServerListError, match="not a video server in") as info:
+        select_server(typed, "http://127.0.0.1:1", kind="video", path=path)
+    assert "gpu-box" in str(info.value)  # offered, as the list's own name
+    assert select_server("gpu-box", "http://127.0.0.1:1", kind="video", path=path).api_key == SECRET
+
+
+PASTED = ["hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz01234567", "ghp_" + "0123456789abcdefABCDEF0123456789abcd",
+          "a3F9kQ2mZ7xW1pL8vB4nT6yR0sD5hJ2c"]
+
+
+@pytest.mark.parametrize("pasted", PASTED)
+def test_a_key_pasted_into_api_key_env_is_refused_without_echo(tmp_path, monkeypatch, pasted):
+    path = write(tmp_path, [{**GOOD[0], "api_key_env": pasted}])
+    for attempt in (lambda: read_servers(path), lambda: api_key_from_env(pasted)):
+        with pytest.raises(ServerListError) as info:
+            attempt()
+        assert "looks like a key, not the name of an environment variable" in str(info.value)
+        assert pasted not in str(info.value) and pasted[:12] not in str(info.value)
+    # Ordinary variable names still work.
+    monkeypatch.setenv("LINGBOT_GPU_KEY_2026", SECRET)
+    assert api_key_from_env("LINGBOT_GPU_KEY_2026") == SECRET
+
+
+@pytest.mark.parametrize("kind, node", [("video", "Remote Server"), ("chat", "Rewriter Server")])
+def test_a_workflow_without_a_server_input_is_told_which_entry_to_add(tmp_path, kind, node):
+    """An API-format workflow saved before the server list has no server input at all (issue 33)."""
+    path = write(tmp_path, GOOD)
+    with pytest.raises(ServerListError) as info:
+        select_server(None, "https://gpu-box:8091", kind=kind, path=path)
+    msg = str(info.value)
+    assert f"its LingBot-Video {node} node has no server input" in msg and str(path) in msg, msg
+    assert f'"kind": "{kind}", "base_url": "https://gpu-box:8091"' in msg and "then set the node's server" in msg, msg

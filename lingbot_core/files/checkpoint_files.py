@@ -80,8 +80,9 @@ def safetensors_files(folder: Path, component: str, stem: str) -> list:
 
 def _read_header(path: Path):
     """``(size of the file, header length, {name: info})`` with every field checked: the tensor table
-    is a JSON object of objects with a known dtype, a shape that is a list of sizes and offsets that
-    match them. ModelPackageError names the file and what is wrong."""
+    is a JSON object of objects with a known dtype, a shape that is a list of sizes, and offsets that
+    match them and tile the data exactly (:func:`_check_layout`). ModelPackageError names the file and
+    what is wrong. Every safetensors file the pack opens passes here first (package, single file, LoRA)."""
     name = path.name
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -118,7 +119,42 @@ def _read_header(path: Path):
             raise bad(f"has shape {str(shape)[:60]!r}, not a list of sizes")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(type(o) is int for o in offsets):
             raise bad(f"has data_offsets {str(offsets)[:60]!r}, not [begin, end]")
+    _check_layout(name, header, size - 8 - n)
     return size, n, header
+
+
+def _check_layout(name: str, header: Dict[str, dict], data_bytes: int) -> None:
+    """The tensors' byte ranges, sorted by offset, must tile the data section exactly: each begins where
+    the previous one ended (no overlap, no gap), each is as long as its dtype times its shape, and the
+    last ends at the end of the file. Safetensors' own reader refuses anything else, but only when a
+    tensor is first read (in the middle of a generation, without the file's name): this says it at load."""
+    def bad(key: str, what: str) -> ModelPackageError:
+        return ModelPackageError(f"{name} is not a readable safetensors file (tensor {key[:200]!r} {what}); it is "
+                                 "damaged or truncated, download it again.")
+
+    spans = []
+    for key, info in header.items():
+        begin, end = info["data_offsets"]
+        if begin < 0 or end < begin:
+            raise bad(key, f"has data_offsets [{begin}, {end}], which is not a range")
+        if end > data_bytes:
+            raise bad(key, f"ends at byte {end:,} of the data, but the file holds {data_bytes:,} bytes of data")
+        itemsize = _SAFETENSORS_DTYPES[info["dtype"]].itemsize
+        if end - begin != itemsize * math.prod(info["shape"]):
+            raise bad(key, f"takes {end - begin:,} bytes, but its {info['dtype']} shape {info['shape']} needs "
+                      f"{itemsize * math.prod(info['shape']):,}")
+        spans.append((begin, end, key))
+    spans.sort()
+    position = 0
+    for begin, end, key in spans:
+        if begin != position:
+            what = "overlaps the tensor before it" if begin < position else "leaves a gap of unused bytes before it"
+            raise bad(key, f"{what} (it begins at byte {begin:,} of the data, the previous tensor ends at {position:,})")
+        position = end
+    if position != data_bytes:
+        raise ModelPackageError(f"{name} is not a readable safetensors file (the tensors end at byte {position:,} of "
+                                f"the data but the file holds {data_bytes:,}); it is damaged or truncated, download "
+                                "it again.")
 
 
 def safetensors_header(path) -> Dict[str, dict]:
@@ -130,6 +166,10 @@ def check_readable(path: Path, component: str) -> None:
     """Open a safetensors file's header only (no tensor is read); a truncated file fails here."""
     from safetensors import SafetensorError, safe_open
 
+    try:
+        _read_header(Path(path))
+    except ModelPackageError as e:
+        raise ModelPackageError(f"{component}: {e}") from None
     try:
         with safe_open(str(path), framework="pt", device="cpu"):
             pass
@@ -154,19 +194,14 @@ class SafetensorsReader:
 
     def __init__(self, path: Path):
         self.path = Path(path)
-        size, n, header = _read_header(self.path)
+        _, n, header = _read_header(self.path)
         self._start = 8 + n
         self._scratch = torch.empty(0, dtype=torch.uint8)
         self._mapped = None
         self._entries = {}
-        for key, info in header.items():
-            dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        for key, info in header.items():  # offsets and sizes: checked by _read_header
             begin, end = info["data_offsets"]
-            shape = info["shape"]
-            nbytes = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
-            if not 0 <= begin <= end or end - begin != nbytes or self._start + end > size:
-                raise ModelPackageError(f"{self.path.name}: tensor {key!r} lies outside the file; it may be truncated, download it again.")
-            self._entries[key] = (dtype, list(shape), begin, end)
+            self._entries[key] = (_SAFETENSORS_DTYPES[info["dtype"]], list(info["shape"]), begin, end)
 
     def keys(self):
         return list(self._entries)

@@ -21,6 +21,23 @@ class VideoMismatch(ValueError):
     """The mp4 is not the video that was asked for (size or length); nothing was decoded beyond the proof."""
 
 
+class NotAnMp4(ValueError):
+    """The answer is not an mp4 (ISO/QuickTime) file; it was refused before FFmpeg read a frame."""
+
+
+# The only demuxer a server's answer may reach: FFmpeg's mov/mp4 demuxer, forced, never probed (a
+# probe would let a 146-byte ffconcat list read a local file, or a PNG decode at any size). Its data
+# references (files beside the mp4) stay off, and any other file or URL it might open is refused.
+MP4_DEMUXER = "mp4"
+_DEMUXER_NAMES = "mov,mp4,m4a,3gp,3g2,mj2"
+_CONTAINER_OPTIONS = {"format_whitelist": _DEMUXER_NAMES, "enable_drefs": "0", "use_absolute_path": "0",
+                      "protocol_whitelist": "none"}
+
+
+def _no_other_files(url, flags, options):
+    raise PermissionError("an mp4 from a server may not open other files")
+
+
 @dataclass(frozen=True)
 class StreamInfo:
     """What the container's header says of its first video stream (``frames`` None when it does not say)."""
@@ -38,26 +55,41 @@ def _stream_info(stream) -> StreamInfo:
     duration = float(stream.duration * stream.time_base) if stream.duration and stream.time_base else None
     frames = int(stream.frames) if stream.frames else None
     if frames is None and duration is not None and fps:
+        # A fragmented mp4 counts no samples in its header, but states its duration.
         frames = int(math.ceil(duration * fps - 1e-6))
     return StreamInfo(int(stream.codec_context.width), int(stream.codec_context.height), frames, duration, fps)
 
 
 def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray:
-    """The first video stream as (frames, height, width, 3) uint8, refused (VideoMismatch) when its
-    header or its frames show another size or length: the header is checked before any frame is
-    decoded, then frames are decoded one at a time into an array allocated for the request."""
+    """The first video stream as (frames, height, width, 3) uint8. Only an mp4 is opened (the demuxer
+    is forced: NotAnMp4 for anything else, before a frame is read). Its header is checked against the
+    request before any frame is decoded (VideoMismatch), FFmpeg may not decode a picture larger than
+    the asked size even to read the header, and frames are then decoded one at a time into an array
+    allocated for the request."""
     import av
 
     asked = f"{frames} frames of {width}x{height}"
-    with av.open(io.BytesIO(data), mode="r") as container:
+    # Even the header read (FFmpeg's stream-info pass) decodes a first frame: never one much larger than
+    # asked (twice the pixels: the H.264 decoder checks its padded size, which exceeds width x height).
+    no_larger = {"max_pixels": str(2 * int(width) * int(height))}
+    try:
+        container = av.open(io.BytesIO(data), mode="r", format=MP4_DEMUXER, options=no_larger,
+                            container_options=_CONTAINER_OPTIONS, io_open=_no_other_files)
+    except av.error.FFmpegError as e:
+        raise NotAnMp4(f"not an mp4 file ({type(e).__name__}; only mp4 is accepted, nothing else is opened)") from None
+    with container:
         if not container.streams.video:
             raise ValueError("the file has no video stream")
         stream = container.streams.video[0]
         info = _stream_info(stream)
         if (info.width, info.height) != (width, height):
             raise VideoMismatch(f"a video of {info.width}x{info.height} (its header) but {asked} were asked for")
-        if info.frames is not None and abs(info.frames - frames) > FRAME_SLACK:
+        if info.frames is None:
+            raise VideoMismatch(f"an mp4 whose header gives neither a frame count nor a duration, but {asked} were "
+                                "asked for")
+        if abs(info.frames - frames) > FRAME_SLACK:
             raise VideoMismatch(f"{info.frames:,} frames (its header) but {asked} were asked for")
+        stream.codec_context.options = dict(no_larger)  # a frame larger than its header said is refused unallocated
         out = np.empty((frames, height, width, 3), dtype=np.uint8)
         count = 0
         for frame in container.decode(stream):
@@ -68,7 +100,7 @@ def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray
             count += 1
             if count > frames + FRAME_SLACK:
                 raise VideoMismatch(f"more than {frames + FRAME_SLACK} frames (its header said "
-                                    f"{info.frames if info.frames is not None else 'nothing'}) but {asked} were asked for")
+                                    f"{info.frames}) but {asked} were asked for")
     if count == 0:
         raise ValueError("the video stream has no frames")
     if count != frames:

@@ -18,8 +18,8 @@ from typing import Any, List, Optional
 
 from PIL import Image
 
-from .http_transport import (CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, check_base_url, check_key,
-                             exchange, loads_json)
+from .http_transport import (CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep, TransportError, answer_text,
+                             check_base_url, check_key, exchange, loads_json, scrub)
 
 MAX_NEW_TOKENS = 6144  # the release's generation budget per step
 ANSWER_CACHE_SIZE = 64
@@ -82,11 +82,6 @@ def request_body(server: ChatServer, model: str, content: List[dict], *, tempera
     return body
 
 
-def _preview(raw: bytes | str) -> str:
-    text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
-    return text[:_BODY_PREVIEW]
-
-
 def chat(server: ChatServer, model: str, content: List[dict], *, temperature: float = 0.0,
          seed: Optional[int] = None, max_tokens: int = MAX_NEW_TOKENS) -> str:
     """The assistant's text for one user turn. Raises ChatServerError with the URL and what went wrong."""
@@ -103,6 +98,11 @@ def chat(server: ChatServer, model: str, content: List[dict], *, temperature: fl
     headers = {"Content-Type": "application/json", "Accept": "application/json"}
     if server.api_key:
         headers["Authorization"] = f"Bearer {server.api_key}"
+    secrets = (server.api_key,) if server.api_key else ()
+
+    def _preview(raw) -> str:  # what the server said, fit for a message: scrubbed of the key, then cut
+        return answer_text(raw, secrets, _BODY_PREVIEW)
+
     try:
         status, _, raw = exchange("POST", url, deadline=time.monotonic() + float(server.timeout), limit=MAX_ANSWER_BYTES,
                                   headers=headers, body=data, interrupt=server.interrupt)
@@ -113,7 +113,7 @@ def chat(server: ChatServer, model: str, content: List[dict], *, temperature: fl
         raise ChatServerError(f"cannot reach the chat server at {url} ({e.reason}); start the server, or fix its "
                               "address.") from None
     except TransportError as e:
-        raise ChatServerError(f"the chat server (model {model!r}): {e}.") from None
+        raise ChatServerError(f"the chat server (model {model!r}): {scrub(str(e), secrets)}.") from None
     if not 200 <= status < 300:
         hint = " (check that base_url ends with /v1)" if status == 404 else ""
         raise ChatServerError(f"the chat server at {url} answered HTTP {status} for model {model!r}{hint}: "

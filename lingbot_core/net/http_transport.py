@@ -21,12 +21,13 @@ import io
 import ipaddress
 import json
 import os
+import re
 import select
 import socket
 import ssl
 import time
 import urllib.parse
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 SLICE = 0.1  # seconds: the longest a blocked step waits before checking the deadline and the interrupt
 _SEND_PIECE = 1 << 16
@@ -134,6 +135,59 @@ def check_key(value: str, *, where: str) -> str:
         raise ValueError(f"{where} holds a line break, a space, a control or a non-ASCII character, so it cannot be "
                          "sent as a key (a .env file saved with CRLF line ends adds a CR); set it to the bare key.")
     return value
+
+
+# Text shaped like a credential: a bearer token, or a key with a well-known prefix (OpenAI, Hugging Face,
+# GitHub, GitLab, Slack, AWS). Servers echo them in 401 bodies; a message must never carry one.
+_TOKEN_SHAPES = re.compile(
+    r"(?P<head>(?i:bearer\s+|(?:authorization|token|api[_-]?key|access[_-]?key|secret)[\"']?\s*[:=]\s*[\"']?"
+    r"(?:(?i:bearer|token|basic)\s+)?))(?=[^\s\"',;)}\]]*[0-9])[^\s\"',;)}\]]{8,}"
+    r"|\b(?:sk|hf|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_\-]{8,}"
+    r"|\bAKIA[0-9A-Z]{16}\b")
+SCRUBBED = "***"
+
+
+def scrub(text: str, secrets: Iterable[Optional[str]] = ()) -> str:
+    """``text`` that came from a server (an error body, a ``detail``, a header) with every configured
+    key in ``secrets``, and anything shaped like a bearer token or a known key, replaced by ``***``.
+
+    The one filter between an answer and an exception message, a log line or a host's error: both
+    clients pass every text they build from an answer through it."""
+    text = str(text)
+    for secret in secrets:
+        if secret and len(secret) >= 4:
+            text = text.replace(secret, SCRUBBED)
+    return _TOKEN_SHAPES.sub(lambda m: (m.group("head") or "") + SCRUBBED, text)
+
+
+def answer_text(raw, secrets: Iterable[Optional[str]] = (), limit: int = 300) -> str:
+    """A server's answer (bytes or text) as a short, scrubbed text for a message: scrubbed first, then cut."""
+    text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
+    return scrub(text, secrets)[:limit]
+
+
+def bearer_secrets(headers: Optional[Mapping[str, str]]) -> tuple:
+    """The keys a request's ``Authorization`` header sends (to scrub them from what comes back)."""
+    for name, value in (headers or {}).items():
+        if name.lower() == "authorization" and value:
+            return (value, value.split(" ", 1)[-1])
+    return ()
+
+
+_ASCII_DIGITS = re.compile(r"[0-9]{1,18}")
+
+
+def content_length(headers, url: str) -> Optional[int]:
+    """The answer's Content-Length: None when absent; BrokenAnswer naming ``url`` unless it is one run
+    of ASCII digits (``²`` or ``１２`` are digits to Python's ``int``, not to HTTP), or two disagree."""
+    values = headers.get_all("Content-Length") or []
+    if not values:
+        return None
+    if len(set(v.strip() for v in values)) > 1 or not _ASCII_DIGITS.fullmatch(values[0].strip()):
+        shown = ascii(values[0][:40]) if len(values) == 1 else f"{len(values)} different values"
+        raise BrokenAnswer(f"{url} sent an invalid Content-Length ({shown}); it must be ASCII digits. The server "
+                           "or a proxy in between is broken", url=url)
+    return int(values[0].strip())
 
 
 class JSONTooDeep(ValueError):
@@ -332,7 +386,8 @@ def open_answer(method: str, url: str, *, deadline: float, headers: Optional[Map
             response.begin()
         except (http.client.HTTPException, OSError) as e:
             raise BrokenAnswer(f"{url} did not send a valid HTTP answer ({type(e).__name__}: "
-                               f"{str(e)[:120]})", url=url) from None
+                               f"{answer_text(str(e), bearer_secrets(headers), 120)})", url=url) from None
+        content_length(response.headers, url)
         answer = Answer(response, sock, url)
     except BaseException:
         sock.close()
@@ -340,7 +395,7 @@ def open_answer(method: str, url: str, *, deadline: float, headers: Optional[Map
     if 300 <= answer.status < 400 and answer.status != 304:
         location = answer.headers.get("Location") or ""
         answer.close()
-        shown = redact_url(urllib.parse.urljoin(url, location)) if location else "nowhere"
+        shown = answer_text(redact_url(urllib.parse.urljoin(url, location)), bearer_secrets(headers), 400) if location else "nowhere"
         raise RedirectRefused(
             f"{url} answered HTTP {answer.status}, a redirect to {shown}; redirects are never followed (a key, the "
             "prompt or the image would go to an address you did not configure). Use the final address as base_url",

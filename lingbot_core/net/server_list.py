@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import stat
 import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,16 +40,38 @@ _VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _EXAMPLE_URL = {"video": "https://gpu-box:8091", "chat": "https://gpu-box:8000/v1"}
 
 
+# Keys that are also valid variable names (letters, digits and _): Hugging Face hf_..., GitHub ghp_... and
+# github_pat_..., GitLab glpat_..., Slack xoxb_... A pasted key must be refused without being echoed.
+_KEY_PREFIXES = ("hf_", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat_", "xoxb_", "xoxp_", "sk_")
+
+
 class ServerListError(ValueError):
     """The server list, or the choice of a server, is not usable; the message says how to fix it."""
 
 
+def looks_like_key(name: str) -> bool:
+    """Whether an ``api_key_env`` value is a key pasted in place of a variable's name: a known key prefix, or
+    long, mixed-case and digit-rich as tokens are (variable names are words: LINGBOT_GPU_KEY)."""
+    if name.lower().startswith(_KEY_PREFIXES):
+        return True
+    digits = sum(c.isdigit() for c in name)
+    return len(name) > 64 or (len(name) >= 24 and digits >= 4 and any(c.islower() for c in name)
+                              and any(c.isupper() for c in name))
+
+
+_PASTED_KEY = ("this looks like a key, not the name of an environment variable; put the key itself in an "
+               "environment variable (e.g. LINGBOT_GPU_KEY) and write that variable's name here. If it was a real "
+               "key, it may be in files or logs now: consider replacing it.")
+
+
 def api_key_from_env(name: Optional[str], *, where: str = "api_key_env") -> Optional[str]:
     """The key held by the environment variable ``name`` (None for no name). The message of any
-    refusal names the variable, never its value."""
+    refusal names the variable, never its value (nor a key pasted in its place)."""
     name = (name or "").strip()
     if not name:
         return None
+    if looks_like_key(name):
+        raise ServerListError(f"{where}: {_PASTED_KEY}")
     if not _VARIABLE.fullmatch(name):
         raise ServerListError(f"{where} is not the name of an environment variable (letters, digits and _); put the "
                               "key itself in an environment variable and write that variable's name here.")
@@ -116,6 +139,8 @@ def _entry(path: Path, index: int, raw: object) -> ServerEntry:
         raise _entry_error(path, index, name, "a chat server takes no \"model\": the Rewriter Server node names its "
                            "expand_model and map_model.")
     key_env = raw.get("api_key_env")
+    if isinstance(key_env, str) and looks_like_key(key_env.strip()):
+        raise _entry_error(path, index, name, f"\"api_key_env\": {_PASTED_KEY}")
     if key_env is not None and (not isinstance(key_env, str) or not _VARIABLE.fullmatch(key_env.strip())):
         raise _entry_error(path, index, name, "\"api_key_env\" must be the NAME of an environment variable (letters, "
                            "digits and _) that holds the key, not the key itself.")
@@ -138,23 +163,15 @@ def read_servers(path: Optional[os.PathLike | str]) -> Dict[str, ServerEntry]:
     if path is None:
         return {}
     path = Path(path)
-    try:
-        size = path.stat().st_size
-    except FileNotFoundError:
+    data = _read_list_file(path)
+    if data is None:
         return {}
-    except OSError as e:
-        raise ServerListError(f"cannot read the server list {path} ({e.strerror or e}).") from None
-    if size > MAX_FILE_BYTES:
-        raise ServerListError(f"the server list {path} is {size:,} bytes; a list of servers is far smaller "
-                              f"(limit {MAX_FILE_BYTES:,}).")
     try:
-        raw = json.loads(path.read_bytes().decode("utf-8-sig"))
+        raw = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         where = f" (line {e.lineno}, column {e.colno})" if isinstance(e, json.JSONDecodeError) else ""
         raise ServerListError(f"the server list {path} is not valid UTF-8 JSON{where}; see "
                               "lingbot_servers.example.json for the format.") from None
-    except OSError as e:
-        raise ServerListError(f"cannot read the server list {path} ({e.strerror or e}).") from None
     entries = raw.get("servers") if isinstance(raw, dict) else raw
     if not isinstance(entries, list):
         raise ServerListError(f"the server list {path} must be {{\"servers\": [...]}} (see lingbot_servers.example.json).")
@@ -165,6 +182,40 @@ def read_servers(path: Optional[os.PathLike | str]) -> Dict[str, ServerEntry]:
             raise _entry_error(path, index, entry.name, "the name is used twice; names must be unique.")
         servers[entry.name] = entry
     return servers
+
+
+def _read_list_file(path: Path) -> Optional[bytes]:
+    """The file's bytes (None when there is none): only a regular file (a symlink to one is fine), at most
+    MAX_FILE_BYTES, and never blocking: a FIFO, a device (``/dev/zero``) or a socket is refused unread."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ServerListError(f"cannot read the server list {path} ({e.strerror or e}).") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ServerListError(f"the server list {path} is not a regular file (a pipe, a device or a folder); "
+                                  "point LINGBOT_SERVERS at a JSON file.")
+        if info.st_size > MAX_FILE_BYTES:
+            raise ServerListError(f"the server list {path} is {info.st_size:,} bytes; a list of servers is far "
+                                  f"smaller (limit {MAX_FILE_BYTES:,}).")
+        chunks, total = [], 0
+        while total <= MAX_FILE_BYTES:
+            piece = os.read(fd, MAX_FILE_BYTES + 1 - total)
+            if not piece:
+                break
+            chunks.append(piece)
+            total += len(piece)
+        if total > MAX_FILE_BYTES:  # it grew while being read
+            raise ServerListError(f"the server list {path} is larger than {MAX_FILE_BYTES:,} bytes; a list of "
+                                  "servers is far smaller.")
+        return b"".join(chunks)
+    except OSError as e:
+        raise ServerListError(f"cannot read the server list {path} ({e.strerror or e}).") from None
+    finally:
+        os.close(fd)
 
 
 def server_names(path: Optional[os.PathLike | str], kind: str) -> List[str]:
@@ -183,6 +234,16 @@ def _example(kind: str, base_url: Optional[str], key_env: Optional[str] = None) 
         entry["model"] = "robbyant/lingbot-video-moe-30b-a3b"
     entry["api_key_env"] = key_env or "MY_SERVER_KEY"
     return json.dumps(entry)
+
+
+_NODE = {"video": "LingBot-Video Remote Server", "chat": "LingBot-Video Rewriter Server"}
+
+
+def _shown_url(base_url) -> Optional[str]:
+    if not isinstance(base_url, str) or not base_url.strip():
+        return None
+    shown = redact_url(base_url.strip())
+    return None if "?" in shown or "@" in shown else shown
 
 
 def _where(path: Optional[Path]) -> str:
@@ -209,9 +270,17 @@ def select_server(server: str, base_url: Optional[str], *, kind: str, path: Opti
     Workflows saved before the list existed carry the name of a key's environment variable (or
     nothing) where ``server`` is now: nothing means the local URL; a variable's name is refused with
     how to move the server into the list."""
+    if server is None:
+        # An API-format workflow from before the server list: the node has no server input at all.
+        raise ServerListError(
+            f"this workflow was saved before the server list: its {_NODE[kind]} node has no server input (it had "
+            f"api_key_env). A workflow can no longer choose where a key goes: add the server to {_where(path)}, e.g. "
+            f"{_example(kind, _shown_url(base_url))} (api_key_env only if it needs a key), then set the node's "
+            f"server to its name (\"server\": \"my-server\" in an API-format workflow), or to {LOCAL!r} for a "
+            "server on this machine without a key.")
     servers = read_servers(path)
-    server = (server or "").strip()
-    entry = servers.get(server)
+    server = server if isinstance(server, str) else str(server)
+    entry = servers.get(server)  # names match exactly: "gpu-box " is not "gpu-box"
     if entry is not None:
         if entry.kind != kind:
             raise ServerListError(f"server {server!r} in {path} is a {entry.kind} server; choose a {kind} server.")
