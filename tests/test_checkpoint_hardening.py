@@ -203,3 +203,24 @@ def test_overlapping_tensors_are_refused_by_the_package_the_single_file_and_the_
     bad_lora = _relayout(lora, tmp_path / "style_overlap.safetensors", _overlap)
     with pytest.raises(LoraError, match=r"style_overlap\.safetensors.*overlaps the tensor before it"):
         load_pipeline(packages["dense"], device="cpu", loras=[(bad_lora, 1.0)])
+
+
+def test_the_native_vae_loader_checks_the_layout_too(packages, tmp_path):
+    """Load VAE (native) reads the package's vae/ through the same checked reader: an overlapping table is
+    refused naming the file, before any tensor is read."""
+    import shutil
+
+    from lingbot_core.files.vae_layout import load_original_wan21
+    from lingbot_core.testing.fixtures import tiny_wan21_vae
+
+    package = tmp_path / "package"
+    shutil.copytree(packages["dense"], package)
+    shutil.rmtree(package / "vae")
+    tiny_wan21_vae(0).save_pretrained(package / "vae", safe_serialization=True)  # a VAE ComfyUI can build
+    good = load_original_wan21(package)
+    assert good and all(torch.isfinite(t).all() for t in good.values())
+    vae = package / "vae" / "diffusion_pytorch_model.safetensors"
+    bad = _relayout(vae, tmp_path / "vae_overlap.safetensors", _overlap)
+    shutil.copyfile(bad, vae)
+    with pytest.raises(ModelPackageError, match=r"diffusion_pytorch_model\.safetensors.*overlaps the tensor before it"):
+        load_original_wan21(package)

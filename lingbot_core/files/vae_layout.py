@@ -15,7 +15,7 @@ from typing import Dict, Mapping
 
 import torch
 
-from .checkpoint_files import ModelPackageError, read_config, safetensors_files
+from .checkpoint_files import ModelPackageError, SafetensorsReader, read_config, safetensors_files
 
 # The architecture the original Wan 2.1 loaders build (ComfyUI reads only the base width from the
 # weights and assumes the rest), i.e. the released Wan 2.1 VAE at any base width.
@@ -118,7 +118,6 @@ def to_original_wan21(state_dict: Mapping[str, torch.Tensor], config: Mapping) -
 def load_original_wan21(package_dir) -> Dict[str, torch.Tensor]:
     """Read a package's ``vae/`` (safetensors only) and return it in the original Wan 2.1 layout."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     folder = Path(package_dir) / "vae"
     config = read_config(folder, "vae")
@@ -127,8 +126,9 @@ def load_original_wan21(package_dir) -> Dict[str, torch.Tensor]:
         raise ModelPackageError(f"vae: {reason}.")
     state: Dict[str, torch.Tensor] = {}
     for path in safetensors_files(folder, "vae", "diffusion_pytorch_model"):
-        try:
-            state.update(load_file(str(path), device="cpu"))
+        try:  # the reader checks the header's layout (offsets, sizes) before any tensor is read
+            reader = SafetensorsReader(path)
+            state.update({key: reader.get(key).clone() for key in reader.keys()})
         except (SafetensorError, OSError) as e:
             raise ModelPackageError(f"vae: {path.name} is not a readable safetensors file ({e}); download it again.") from None
     try:
