@@ -1,0 +1,79 @@
+"""A pipeline wired into the wrong sampler is refused before anything runs, in a real ComfyUI (0.3.75).
+
+ComfyUI (0.3.75 and the current source) gives VALIDATE_INPUTS neither a linked value nor the graph, so the
+loader, the first node of every such chain, checks where its pipeline goes (hidden PROMPT) and refuses
+it before any sampler or encoder starts: the error names the wrong link and how to fix it. Messages name
+the package the user picked, never the server's folders.
+"""
+
+import re
+
+import pytest
+
+from comfy_host import execution_error, executed_nodes, progress_events
+
+pytestmark = pytest.mark.comfy
+
+DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
+H, W, FRAMES = 64, 96, 5
+
+
+def loader(model, transformer):
+    return {"class_type": "LoadLingbotPipeline",
+            "inputs": {"model": model, "transformer": transformer, "offload": "model", "dit_precision": "auto",
+                       "text_encoder_precision": "auto", "vae_precision": "fp32"}}
+
+
+def generate(pipe, seed):
+    return {"class_type": "GenerateVideo",
+            "inputs": {"pipe": [pipe, 0], "prompt": "a red kite", "negative_prompt": "", "width": W, "height": H,
+                       "num_frames": FRAMES, "steps": 2, "guidance_scale": 1.0, "shift": 3.0, "seed": seed}}
+
+
+def refine(pipe, frames):
+    return {"class_type": "Refine",
+            "inputs": {"pipe": [pipe, 0], "frames": [frames, 0], "prompt": "a red kite", "negative_prompt": "",
+                       "width": 128, "height": 64, "steps": 2, "guidance_scale": 1.0, "shift": 3.0,
+                       "t_thresh": 0.85, "tail_steps": 0, "seed": 1, "vae_tiling": False}}
+
+
+def save(src, prefix):
+    return {"class_type": "SaveImage", "inputs": {"images": [src, 0], "filename_prefix": prefix}}
+
+
+def test_a_base_pipeline_wired_into_refine_is_refused_before_generate_runs(comfy_server):
+    graph = {"1": loader(MOE, "transformer"), "2": generate("1", seed=701), "3": refine("1", "2"),
+             "4": save("3", "wrong_refine"), "5": save("2", "wrong_base")}
+    entry = comfy_server.run(graph, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "1", err
+    assert "Refine" in err["exception_message"] and "transformer='refiner'" in err["exception_message"]
+    assert "2" not in executed_nodes(entry) and not progress_events(entry, "2")
+    assert not list(comfy_server.output_dir.glob("wrong_*"))
+
+
+def test_a_refiner_pipeline_wired_into_generate_is_refused_at_its_loader(comfy_server):
+    graph = {"1": loader(MOE, "refiner"), "2": generate("1", seed=702), "3": save("2", "wrong_generate")}
+    entry = comfy_server.run(graph, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "1", err
+    assert "GenerateVideo" in err["exception_message"] and "transformer='transformer'" in err["exception_message"]
+    assert "2" not in executed_nodes(entry)
+
+
+def test_refine_with_the_dense_package_names_the_package_not_the_servers_folder(comfy_server, tmp_path_factory):
+    from lingbot_core.testing.fixtures import write_package
+
+    # As released: the dense package has no refiner/ folder.
+    dense = write_package(tmp_path_factory.mktemp("released") / "lingbot-video-dense-1.3b", fp32=True, refiner=False)
+    comfy_server.add_model("lingbot-video-dense-1.3b", dense)
+    graph = {"1": loader(MOE, "transformer"), "2": generate("1", seed=703),
+             "6": loader("lingbot-video-dense-1.3b", "refiner"), "3": refine("6", "2"), "4": save("3", "dense_refine")}
+    entry = comfy_server.run(graph, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "6", err
+    message = err["exception_message"]
+    assert "package 'lingbot-video-dense-1.3b' is missing the refiner/ folder" in message, message
+    for folder in (dense, comfy_server.models_dir, comfy_server.models_dir.parent):
+        assert str(folder) not in message, message
+    assert not re.search(r"(^|[\s'\"(])/[\w.-]", message), f"an absolute path in: {message}"
