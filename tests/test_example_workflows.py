@@ -2,6 +2,7 @@
 than its box (see workflow_geometry.py for the frontend measurements the estimate is calibrated on)."""
 
 import json
+import re
 from itertools import combinations
 from pathlib import Path
 
@@ -63,3 +64,12 @@ def test_every_note_line_fits_its_box(path):
         long = [line for line in note["widgets_values"][0].splitlines() if len(line) > columns]
         assert not long, (f"Note {note['id']} is {note['size'][0]} px wide ({columns} characters of "
                           f"{FRONTEND['note_char']} px); these lines wrap: {long[:3]}")
+
+
+def test_the_readme_lists_every_example_workflow_and_no_other():
+    readme = (EXAMPLES.parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("### Example workflows\n", 1)[1].split("\n## ", 1)[0]
+    rows = {line.split("`")[1] for line in section.splitlines() if line.startswith("| `")}
+    assert rows == {p.name for p in WORKFLOWS}
+    assert {m for m in re.findall(r"lingbot_\w+\.json", section)} == {p.name for p in WORKFLOWS}
+    assert "schematic" not in section  # the thumbnails are screenshots (scripts/screenshot_workflow.py)
