@@ -87,7 +87,7 @@ def _consumers(prompt, node_id) -> list:
 
 
 #: Nodes that take a pipeline and hand the same pipeline on (followed when checking where a loader's pipe goes).
-PASS_THROUGH = {"LoadLingbotLoRA": "pipe"}
+PASS_THROUGH = frozenset({"LoadLingbotLoRA"})
 #: Which loader role each consumer of a pipeline needs.
 NEEDS = {"Refine": "refiner", "GenerateVideo": "transformer", "EncodeImageVAE": "transformer"}
 

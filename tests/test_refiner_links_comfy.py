@@ -77,3 +77,19 @@ def test_refine_with_the_dense_package_names_the_package_not_the_servers_folder(
     for folder in (dense, comfy_server.models_dir, comfy_server.models_dir.parent):
         assert str(folder) not in message, message
     assert not re.search(r"(^|[\s'\"(])/[\w.-]", message), f"an absolute path in: {message}"
+
+
+def test_a_base_pipeline_through_a_lora_into_refine_is_refused_at_the_loader(comfy_server):
+    from test_lora import lightx2v_lora
+
+    folder = comfy_server.models_dir / "loras"
+    folder.mkdir(parents=True, exist_ok=True)
+    lightx2v_lora(folder / "lingbot_tiny_refine_link.safetensors")
+    graph = {"1": loader(MOE, "transformer"), "2": generate("1", seed=704),
+             "7": {"class_type": "LoadLingbotLoRA",
+                   "inputs": {"pipe": ["1", 0], "lora_name": "lingbot_tiny_refine_link.safetensors", "strength": 1.0}},
+             "3": refine("7", "2"), "4": save("3", "wrong_lora_refine")}
+    entry = comfy_server.run(graph, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "1" and "node 3" in err["exception_message"], err
+    assert "2" not in executed_nodes(entry)
