@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import comfy.model_management
 
@@ -50,17 +51,21 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         path = resolve_component_file(component, name)
         if path is not None:
             chosen[f"{component}_file"] = path
-            names[str(path)] = name
+            names[str(path)] = names[str(Path(path).resolve())] = name
     folder = resolve_package(model)
-    names[str(folder)] = f"package '{model}'"
+    names[str(folder)] = names[str(Path(folder).resolve())] = f"package '{model}'"
     try:
         return pipe_pool().handle(folder, transformer_subfolder=transformer, offload=offload,
                                   dtypes=dtypes, device=comfy_device(),
                                   blocks_on_gpu=blocks_on_gpu, speed=speed_options,
                                   devices={"text_encoder": text_encoder_device, "vae": vae_device}, **chosen)
-    except ModelPackageError as error:
+    except ValueError as error:  # ModelPackageError and the other checks of the package and files
         # The core names folders by path; the browser shows the names the user picked instead.
-        raise ModelPackageError(without_paths(str(error), names)) from None
+        message = without_paths(str(error), names)
+        if message == str(error):
+            raise
+        kind = type(error) if type(error) in (ValueError, ModelPackageError) else ValueError
+        raise kind(message) from None
 
 
 def without_paths(message: str, names: dict) -> str:
