@@ -261,6 +261,13 @@ FIT = """(() => {
   for (let x = r.left + 10; x < r.right; x += 40) {       // top bar(s)
     const b = probe(x, r.top + 5); if (b && b.height < r.height / 3) top = Math.max(top, b.bottom);
   }
+  // floating bars near the top (the Run action bar, the workflow name): not the graph's own DOM widgets
+  for (let y = r.top + 5; y < r.top + 120; y += 10) for (let x = r.left + 10; x < r.right; x += 40) {
+    const hit = document.elementFromPoint(x, y);
+    if (!hit || hit === el || el.contains(hit) || hit.closest('.dom-widget')) continue;
+    const b = hit.getBoundingClientRect();
+    if (b.height < r.height / 3 && b.width < r.width / 2 && b.top < r.top + 120) top = Math.max(top, b.bottom);
+  }
   for (let y = top + 10; y < r.bottom; y += 40) {           // left toolbar
     const b = probe(r.left + 5, y); if (b && b.width < r.width / 4) left = Math.max(left, b.right);
   }
