@@ -18,10 +18,15 @@ DENSE, MOE = "lingbot-tiny-dense", "lingbot-tiny-moe"
 H, W, FRAMES = 64, 96, 5
 
 
-def loader(model, transformer):
+_fresh = iter(range(1, 40))
+
+
+def loader(model, transformer, blocks_on_gpu=None):
+    """A loader ComfyUI has not cached: a fresh blocks_on_gpu (no effect outside offload 'block') per call."""
     return {"class_type": "LoadLingbotPipeline",
             "inputs": {"model": model, "transformer": transformer, "offload": "model", "dit_precision": "auto",
-                       "text_encoder_precision": "auto", "vae_precision": "fp32"}}
+                       "text_encoder_precision": "auto", "vae_precision": "fp32",
+                       "blocks_on_gpu": next(_fresh) if blocks_on_gpu is None else blocks_on_gpu}}
 
 
 def generate(pipe, seed):
@@ -93,3 +98,16 @@ def test_a_base_pipeline_through_a_lora_into_refine_is_refused_at_the_loader(com
     err = execution_error(entry)
     assert err is not None and err["node_id"] == "1" and "node 3" in err["exception_message"], err
     assert "2" not in executed_nodes(entry)
+
+
+def test_a_cached_base_loader_wired_into_refine_is_refused_by_refine(comfy_server):
+    """The limit of the loader's check: a loader ComfyUI kept cached from the previous prompt does not run
+    again, so Refine's own check refuses the base pipeline (after the cached GenerateVideo, not a new one)."""
+    base = loader(MOE, "transformer", blocks_on_gpu=39)
+    comfy_server.run({"1": base, "2": generate("1", seed=705), "5": save("2", "cached_base")})
+    entry = comfy_server.run({"1": base, "2": generate("1", seed=705), "5": save("2", "cached_base"),
+                              "3": refine("1", "2"), "4": save("3", "cached_wrong_refine")}, check=False)
+    err = execution_error(entry)
+    assert err is not None and err["node_id"] == "3", err
+    assert "Refine needs the refiner DiT" in err["exception_message"]
+    assert "2" not in executed_nodes(entry)  # GenerateVideo was cached: nothing was sampled again
