@@ -271,7 +271,7 @@ def test_refiner_pipe_given_to_generate(server, baseline):
 
 
 def test_base_pipe_given_to_refine(server, baseline):
-    graph = {"1": loader(blocks_on_gpu=5),  # not the baseline's loader, which ComfyUI keeps cached (see below)
+    graph = {"1": loader(blocks_on_gpu=5),  # not the baseline's (cached) loader; test_refiner_links_comfy.py pins the cached case
              "5": {"class_type": "EmptyImage", "inputs": {"width": W, "height": H, "batch_size": 5, "color": 0x808080}},
              "6": refine("1", "5"), "3": save("6")}
     expect_exec_error(server, graph, "1", r"'Refine' \(node 6\) is connected to a base pipeline \(transformer='transformer'\)")
