@@ -29,6 +29,10 @@ What it does:
 4. renders at ``--supersample`` x the pixel density and downsizes to the viewport size with PIL
    (crisper small text than a 1x render), then saves an optimized PNG.
 
+``--layout out.json`` also writes the frontend's own layout of every node (stored size, the size it
+computes from slots and widgets, each widget's row): the figures ``tests/workflow_geometry.py`` is
+calibrated on.
+
 Everything runs in a temporary directory that is removed at the end (``--keep-temp`` keeps it,
 with ComfyUI's log).
 """
