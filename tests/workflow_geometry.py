@@ -29,7 +29,9 @@ from pathlib import Path
 #: - a node stored smaller than that is drawn at that size; a larger stored size is kept.
 #: Notes: the text area is the node's width minus 20 px, with 2 px padding each side, in
 #: "10px monospace" (6.02 px per character in Chromium on Debian, DejaVu Sans Mono), and a
-#: vertical scroll bar (15 px) when the text is taller than the box.
+#: vertical scroll bar (15 px) when the text is taller than the box (lines of about 12 px).
+#: Widths are taken as stored: the frontend widens a node only to its computed width (210-262 px for
+#: the calibration workflow's nodes, all stored wider), which needs text measurement to estimate.
 FRONTEND = {
     "title": 30, "slot": 20, "widget_gap": 6, "row": 24, "multiline": 54, "image_preview": 224, "bottom": 8,
     "note_margin": 20, "note_padding": 4, "note_char": 6.02, "note_scrollbar": 15, "note_line": 12,
