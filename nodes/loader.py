@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
+from ..lingbot_core.files.checkpoint_files import ModelPackageError
 from ..lingbot_core.memory.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import (
@@ -46,22 +48,41 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
         dtypes["transformer"] = dit_precision
     if text_encoder_precision != "auto":
         dtypes["text_encoder"] = text_encoder_precision
-    chosen = {}
+    chosen, names = {}, {}
     for component, name in (files or {}).items():
         path = resolve_component_file(component, name)
         if path is not None:
             chosen[f"{component}_file"] = path
-    model_dir = None if files is not None and model == NO_PACKAGE else resolve_package(model)
-    if model_dir is None:
+            names[str(path)] = names[str(Path(path).resolve())] = name
+    folder = None if files is not None and model == NO_PACKAGE else resolve_package(model)
+    if folder is None:
         missing = [w for w, c in (("dit_file", "transformer"), ("text_encoder_file", "text_encoder"), ("vae_file", "vae"))
                    if f"{c}_file" not in chosen]
         if missing:
             raise ValueError(f"model {NO_PACKAGE!r} makes the pipeline of three files: choose a file for "
                              f"{', '.join(missing)} (or choose a package as 'model' to take it from there).")
-    return pipe_pool().handle(model_dir, transformer_subfolder=transformer, offload=offload,
-                              dtypes=dtypes, device=comfy_device(),
-                              blocks_on_gpu=blocks_on_gpu, speed=speed_options,
-                              devices={"text_encoder": text_encoder_device, "vae": vae_device}, **chosen)
+    else:
+        names[str(folder)] = names[str(Path(folder).resolve())] = f"package '{model}'"
+    try:
+        return pipe_pool().handle(folder, transformer_subfolder=transformer, offload=offload,
+                                  dtypes=dtypes, device=comfy_device(),
+                                  blocks_on_gpu=blocks_on_gpu, speed=speed_options,
+                                  devices={"text_encoder": text_encoder_device, "vae": vae_device}, **chosen)
+    except ValueError as error:  # ModelPackageError and the other checks of the package and files
+        # The core names folders by path; the browser shows the names the user picked instead.
+        message = without_paths(str(error), names)
+        if message == str(error):
+            raise
+        kind = type(error) if type(error) in (ValueError, ModelPackageError) else ValueError
+        raise kind(message) from None
+
+
+def without_paths(message: str, names: dict) -> str:
+    """``message`` with each server path in ``names`` (path -> name shown in the loader) replaced by its name,
+    longest path first so a file inside a package folder keeps its own name."""
+    for path in sorted(names, key=len, reverse=True):
+        message = message.replace(path, names[path])
+    return message
 
 
 def comfy_device():
@@ -77,6 +98,42 @@ def _consumers(prompt, node_id) -> list:
         if any(isinstance(v, list) and len(v) == 2 and str(v[0]) == str(node_id) for v in inputs.values()):
             out.append(str(other))
     return out
+
+
+#: Nodes that take a pipeline and hand the same pipeline on (followed when checking where a loader's pipe goes).
+PASS_THROUGH = frozenset({"LoadLingbotLoRA"})
+#: Which loader role each consumer of a pipeline needs.
+NEEDS = {"Refine": "refiner", "GenerateVideo": "transformer", "EncodeImageVAE": "transformer"}
+
+
+def check_consumers(prompt, node_id, transformer: str) -> None:
+    """Refuse a base pipeline wired into Refine, or a refiner pipeline into GenerateVideo / EncodeImageVAE.
+
+    ComfyUI (0.3.75 and current) shows VALIDATE_INPUTS no linked value and no graph, so the link cannot be
+    refused when the prompt is queued; the loader is the first node of every such chain and reads no
+    weights, so refusing here stops the prompt before any sampler or encoder runs (seconds, not the
+    minutes a GenerateVideo takes before Refine would find out)."""
+    seen, frontier = set(), [str(node_id)]
+    while frontier:
+        source = frontier.pop()
+        for consumer in _consumers(prompt, source):
+            if consumer in seen:
+                continue
+            seen.add(consumer)
+            class_type = prompt[consumer].get("class_type")
+            if class_type in PASS_THROUGH:
+                frontier.append(consumer)
+            needed = NEEDS.get(class_type)
+            if needed is not None and needed != transformer:
+                title = (prompt[consumer].get("_meta") or {}).get("title") or class_type
+                if needed == "refiner":
+                    raise ValueError(
+                        f"'{title}' (node {consumer}) is connected to a base pipeline (transformer='{transformer}'). "
+                        "Refine needs the refiner DiT: add a second 'Load LingBot-Video Pipeline' with the MoE "
+                        "package and transformer='refiner', and connect that one to Refine's pipe.")
+                raise ValueError(
+                    f"'{title}' (node {consumer}) is connected to a refiner pipeline (transformer='refiner'), "
+                    "which only refines videos. Connect it to a loader with transformer='transformer'.")
 
 
 class LoadLingbotPipeline:
@@ -122,6 +179,7 @@ class LoadLingbotPipeline:
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT,
              vae_device=DEFAULT):
+        check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                                blocks_on_gpu, speed_options, text_encoder_device, vae_device)
         job = current_job()
@@ -161,6 +219,7 @@ class LoadLingbotPipelineFiles(LoadLingbotPipeline):
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              dit_file=FROM_PACKAGE, text_encoder_file=FROM_PACKAGE, vae_file=FROM_PACKAGE, blocks_on_gpu=0,
              speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
+        check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                                blocks_on_gpu, speed_options, text_encoder_device, vae_device,
                                files={"transformer": dit_file, "text_encoder": text_encoder_file, "vae": vae_file})

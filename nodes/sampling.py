@@ -100,7 +100,7 @@ class Refine:
     def INPUT_TYPES(cls):
         return {
             "required": {
-                "pipe": ("LINGBOT_PIPE", {"tooltip": "The refiner pipeline (LoadLingbotPipeline with transformer='refiner')."}),
+                "pipe": ("LINGBOT_PIPE", {"tooltip": "The refiner pipeline (LoadLingbotPipeline with transformer='refiner'). A base pipeline here stops the run at its loader, before anything is sampled."}),
                 "frames": ("IMAGE", {"tooltip": "The base video frames (at least 5), e.g. GenerateVideo's frames."}),
                 "prompt": ("STRING", {"multiline": True, "default": "", "tooltip": "The same caption as the base run (text only; no image tokens)."}),
                 "negative_prompt": ("STRING", {"multiline": True, "default": "",

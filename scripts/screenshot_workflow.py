@@ -29,6 +29,10 @@ What it does:
 4. renders at ``--supersample`` x the pixel density and downsizes to the viewport size with PIL
    (crisper small text than a 1x render), then saves an optimized PNG.
 
+``--layout out.json`` also writes the frontend's own layout of every node (stored size, the size it
+computes from slots and widgets, each widget's row): the figures ``tests/workflow_geometry.py`` is
+calibrated on.
+
 Everything runs in a temporary directory that is removed at the end (``--keep-temp`` keeps it,
 with ComfyUI's log).
 """
@@ -261,6 +265,13 @@ FIT = """(() => {
   for (let x = r.left + 10; x < r.right; x += 40) {       // top bar(s)
     const b = probe(x, r.top + 5); if (b && b.height < r.height / 3) top = Math.max(top, b.bottom);
   }
+  // floating bars near the top (the Run action bar, the workflow name): not the graph's own DOM widgets
+  for (let y = r.top + 5; y < r.top + 120; y += 10) for (let x = r.left + 10; x < r.right; x += 40) {
+    const hit = document.elementFromPoint(x, y);
+    if (!hit || hit === el || el.contains(hit) || hit.closest('.dom-widget')) continue;
+    const b = hit.getBoundingClientRect();
+    if (b.height < r.height / 3 && b.width < r.width / 2 && b.top < r.top + 120) top = Math.max(top, b.bottom);
+  }
   for (let y = top + 10; y < r.bottom; y += 40) {           // left toolbar
     const b = probe(r.left + 5, y); if (b && b.width < r.width / 4) left = Math.max(left, b.right);
   }
@@ -289,6 +300,33 @@ FIT = """(() => {
 })()"""
 
 
+# The frontend's own layout of every node after drawing (for tests/test_example_workflows.py's
+# calibration): stored size, the size the frontend computes from slots and widgets, and where each
+# widget was drawn (y from the node's top, below the title).
+LAYOUT = """(() => {
+  const LG = window.LiteGraph || {};
+  return {
+    title_height: LG.NODE_TITLE_HEIGHT, slot_height: LG.NODE_SLOT_HEIGHT,
+    widget_height: LG.NODE_WIDGET_HEIGHT, font: LG.NODE_TEXT_SIZE,
+    textareas: [...document.querySelectorAll('textarea')].map(t => {
+      const cs = getComputedStyle(t), ctx = document.createElement('canvas').getContext('2d');
+      ctx.font = cs.font;
+      return {font: cs.font, padding: [cs.paddingLeft, cs.paddingRight], width: t.clientWidth,
+              char_width: ctx.measureText('x'.repeat(100)).width / 100,
+              text: t.value.slice(0, 40)};
+    }),
+    nodes: window.app.graph._nodes.map(n => ({
+      id: n.id, type: n.type, pos: [...n.pos], size: [...n.size],
+      computed: n.computeSize ? [...n.computeSize()] : null,
+      inputs: (n.inputs || []).map(i => ({name: i.name, widget: !!i.widget})),
+      outputs: (n.outputs || []).length,
+      widgets: (n.widgets || []).map(w => ({name: w.name, type: w.type, y: w.y ?? w.last_y,
+        h: w.computedHeight ?? (w.computeSize ? w.computeSize(n.size[0])[1] : null)})),
+    })),
+  };
+})()"""
+
+
 def build_settings_payload(extra: dict | None = None) -> dict:
     payload = dict(FRONTEND_SETTINGS)
     payload.update(extra or {})
@@ -313,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="quantize to this many colours to shrink the PNG (0 = lossless RGB)")
     ap.add_argument("--out-width", type=int, default=0,
                     help="downsize the saved image to this width, keeping the aspect (0 = --width)")
+    ap.add_argument("--layout", type=Path,
+                    help="also write the frontend's node layout (sizes, widget rows) as JSON here")
     ap.add_argument("--keep-temp", action="store_true", help="keep the temp dir (logs, profile)")
     args = ap.parse_args(argv)
 
@@ -376,6 +416,10 @@ def main(argv: list[str] | None = None) -> int:
         cdp.evaluate(DISMISS)
         cdp.evaluate(FIT % {"margin": args.margin})  # again, in case UI changed size meanwhile
         time.sleep(1.0)
+
+        if args.layout:
+            args.layout.write_text(json.dumps(cdp.evaluate(LAYOUT), indent=1) + "\n")
+            print(f"[shot] wrote the layout to {args.layout}", flush=True)
 
         shot = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=False)
         image = Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")

@@ -264,16 +264,17 @@ def test_tiny_and_extreme_images_are_accepted_at_video_size(server):
 
 
 def test_refiner_pipe_given_to_generate(server, baseline):
-    graph = {"1": loader(MOE, transformer="refiner"), "2": generate(), "3": save("2")}
-    err, _ = expect_exec_error(server, graph, "2", r"this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer'")
+    graph = {"1": loader(MOE, transformer="refiner", blocks_on_gpu=6), "2": generate(), "3": save("2")}
+    # Refused by the loader, before GenerateVideo starts (the core's own check stays behind it).
+    err, _ = expect_exec_error(server, graph, "1", r"'GenerateVideo' \(node 2\) is connected to a refiner pipeline \(transformer='refiner'\)")
     assert_still_good(server, baseline)
 
 
 def test_base_pipe_given_to_refine(server, baseline):
-    graph = {"1": loader(),
+    graph = {"1": loader(blocks_on_gpu=5),  # not the baseline's (cached) loader; test_refiner_links_comfy.py pins the cached case
              "5": {"class_type": "EmptyImage", "inputs": {"width": W, "height": H, "batch_size": 5, "color": 0x808080}},
              "6": refine("1", "5"), "3": save("6")}
-    expect_exec_error(server, graph, "6", r"Refine needs the refiner DiT: load the MoE package with transformer='refiner'")
+    expect_exec_error(server, graph, "1", r"'Refine' \(node 6\) is connected to a base pipeline \(transformer='transformer'\)")
     assert_still_good(server, baseline)
 
 
