@@ -438,8 +438,9 @@ class LingbotPipeline:
         ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.sampling.step_cache).
 
         Video-to-video: ``video`` (T, H, W, 3) in [0, 1] is resized (bicubic, stretched) to ``height x width``
-        and cut to its first 4n+1 frames; its length replaces ``num_frames``. ``video_latent`` (1, 16, T', h, w),
-        DiT space, is an already encoded video (its size replaces height/width/num_frames). ``denoise`` in
+        and cut to its first 4n+1 frames; its length replaces ``num_frames``. ``video_latent`` (1, 16, T', h, w) in
+        Wan 2.1 VAE space (ComfyUI's LATENT, e.g. GenerateVideo's latent output) is an already encoded video (its
+        size replaces height/width/num_frames; no posterior draw). ``denoise`` in
         (0, 1): the run's grid is cut at ``denoise`` (kept sigmas <= it, ``denoise`` prepended, as the refiner
         cuts at t_thresh), the encoded video is re-noised to the first sigma, ``(1 - s) x + s noise``, and
         denoised with the prompt. ``denoise`` 1.0 is plain T2V/TI2V (the video is not used).
@@ -467,7 +468,7 @@ class LingbotPipeline:
                                "(frame counts are 4n+1).", video.shape[0], usable)
             num_frames = usable
         if video_latent is not None:
-            video_latent = self._check_video_latent(video_latent)
+            video_latent = self.normalizer.to_dit(self._check_video_latent(video_latent))
             _, _, t_lat, h_lat, w_lat = video_latent.shape
             num_frames, height, width = (t_lat - 1) * 4 + 1, h_lat * 8, w_lat * 8
         check_video_size(num_frames, height, width)
@@ -512,8 +513,8 @@ class LingbotPipeline:
         channels = self.transformer.config.in_channels
         if not isinstance(latent, torch.Tensor) or latent.ndim != 5 or latent.shape[0] != 1 or latent.shape[1] != channels:
             shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
-            raise ValueError(f"video_latent must be a LingBot-Video latent (1, {channels}, T, h, w) (GenerateVideo's latent "
-                             f"output); got {shape}.")
+            raise ValueError(f"video_latent must be a LingBot-Video / Wan 2.1 latent (1, {channels}, T, h, w) (GenerateVideo's "
+                             f"latent output); got {shape}.")
         if latent.shape[3] % 2 or latent.shape[4] % 2:
             raise ValueError(f"video_latent's height and width ({latent.shape[3]}x{latent.shape[4]}) must be even (pixel "
                              "sizes a multiple of 16).")
