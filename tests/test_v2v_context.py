@@ -288,3 +288,14 @@ def test_windows_on_a_gguf_dit_same_latent_under_block_and_none(tmp_path):
         assert torch.equal(pipe.generate("a cat", **one), pipe.generate("a cat", **dict(one, context_frames=0)))
     finally:
         pipe.release()
+
+
+def test_v2v_with_an_image_pins_the_first_frame(dense_pipe, test_image):
+    seed = 12
+    with dit_calls(dense_pipe) as calls:
+        out = dense_pipe.generate("a cat", image=test_image, video=_video(9), denoise=0.5, steps=4, seed=seed,
+                                  output_type="latent", **SIZE)
+    condition = dense_pipe.encode_image(test_image, 64, 96)
+    cond = dense_pipe.normalizer.to_dit(condition.posterior.sample(torch.Generator().manual_seed(seed))).float()
+    assert all(torch.equal(c["x"][:, :, :1], cond) for c in calls) and torch.equal(out[:, :, :1], cond)
+    assert not torch.equal(calls[0]["x"][:, :, 1:2], calls[-1]["x"][:, :, 1:2])
