@@ -28,8 +28,11 @@ from .memory.offload import Offloader, check_blocks_on_gpu, check_offload_mode, 
 from .memory.placement import check_component_devices
 from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .model.block_compile import FirstStepsTimer
+from .sampling.context_windows import DEFAULT_OVERLAP, REFINER_CONTEXT_FRAMES, ContextWindows, check_context
 from .sampling.sampler import StepCallback, sample
-from .sampling.scheduling import check_sampler, check_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas
+from .sampling.scheduling import (
+    check_sampler, check_sigmas, denoise_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas,
+)
 from .sampling.speed import SpeedOptions, apply_speed
 from .sampling.step_cache import check_step_cache, make_step_cache
 from .prompts.text_conditioning import (
@@ -110,6 +113,35 @@ def _check_output_type(output_type: str) -> str:
 
 def _output(frames: torch.Tensor, output_type: str):
     return frames.numpy() if output_type == "np" else frames
+
+
+def _check_denoise(denoise: float) -> float:
+    d = float(denoise)
+    if isinstance(denoise, bool) or not np.isfinite(d) or not 0.0 < d <= 1.0:
+        raise ValueError(f"denoise={denoise} is not allowed: use a strength in (0, 1] (1.0 = plain text-to-video, "
+                         "lower keeps more of the input video, e.g. 0.5).")
+    return d
+
+
+def _video_frames(frames, min_frames: int = 1) -> torch.Tensor:
+    """An input video (T, H, W, 3) in [0, 1] (tensor or array), checked; returned as a tensor."""
+    video = frames if isinstance(frames, torch.Tensor) else torch.as_tensor(np.asarray(frames))
+    if video.ndim != 4 or video.shape[-1] != 3:
+        raise ValueError(f"frames must be (T, H, W, 3); got shape {tuple(video.shape)}.")
+    if video.shape[0] < min_frames:
+        raise ValueError(f"the video needs at least {min_frames} frames; got {video.shape[0]}.")
+    if not torch.isfinite(video.float()).all():
+        raise ValueError("frames contain NaN or infinite values.")
+    return video
+
+
+def video_noise_seed(seed: int) -> int:
+    """The seed of a video-to-video run's second generator (the input video's VAE posterior draw).
+
+    Its own stream, so the run's main generator draws exactly what text-to-video draws; derived by
+    hashing, so the posterior's numbers are not the noise's (same seed, same shape would repeat them)."""
+    digest = hashlib.sha256(b"lingbot-video v2v posterior " + int(seed).to_bytes(8, "little")).digest()
+    return int.from_bytes(digest[:8], "little")
 
 
 class LingbotPipeline:
@@ -323,13 +355,16 @@ class LingbotPipeline:
     def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
                 callback: Optional[StepCallback] = None, step_cache: float = 0.0,
-                sampler: str = "unipc", generator: Optional[torch.Generator] = None) -> torch.Tensor:
+                sampler: str = "unipc", generator: Optional[torch.Generator] = None,
+                windows: Optional[ContextWindows] = None) -> torch.Tensor:
         """Run the sampler (``unipc``, ``euler``, ``dmd_student`` or ``auto``: the package's own) from ``latents``
         (DiT space) through ``sigmas``; returns the final latent (CPU).
 
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
         (lingbot_core.sampling.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
+        ``windows`` (lingbot_core.sampling.context_windows.check_context) runs the DiT on overlapping windows of
+        latent frames, each a standalone clip, and blends their velocities; None = the whole latent at once.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -338,11 +373,14 @@ class LingbotPipeline:
             logger.warning("guidance_scale=%g with sampler='dmd_student': the DMD student has classifier-free guidance "
                            "distilled in, so guidance above 1.0 applies it twice (and runs the DiT twice per step); "
                            "its recipe is 1.0.", g)
-        cache = make_step_cache(step_cache, len(sigmas), 2 if g > 1.0 else 1)
+        n_windows = 1 if windows is None else len(windows.spans(latents.shape[2]))
+        if n_windows > 1:
+            logger.info("LingBot-Video: %s.", windows.describe(latents.shape[2]))
+        cache = make_step_cache(step_cache, len(sigmas), (2 if g > 1.0 else 1) * n_windows)
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
-            self.offloader.expect_forwards(len(sigmas) * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
+            self.offloader.expect_forwards(len(sigmas) * n_windows * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)
@@ -352,6 +390,7 @@ class LingbotPipeline:
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
                     lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler, generator=generator,
+                    windows=windows,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
@@ -384,8 +423,11 @@ class LingbotPipeline:
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
                  condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
-                 step_cache: float = 0.0, sampler: str = "auto", sigmas: Optional[Sequence[float]] = None):
-        """T2V (num_frames 4n+1), T2I (num_frames 1) or TI2V (``image`` or a precomputed ``condition``).
+                 step_cache: float = 0.0, sampler: str = "auto", sigmas: Optional[Sequence[float]] = None,
+                 video=None, video_latent: Optional[torch.Tensor] = None, denoise: float = 1.0,
+                 context_frames: int = 0, context_overlap: int = DEFAULT_OVERLAP):
+        """T2V (num_frames 4n+1), T2I (num_frames 1), TI2V (``image`` or a precomputed ``condition``) and
+        video-to-video (``video`` or ``video_latent`` with ``denoise`` < 1).
 
         ``sampler``: ``auto`` (the package's own: :attr:`own_sampler`), ``unipc`` (the reference), ``euler``
         (flow Euler) or ``dmd_student`` (the DMD-distilled student's sampler: its own grid, ancestral
@@ -394,21 +436,64 @@ class LingbotPipeline:
         ``steps`` / ``shift`` grid (a final 0 is appended), for distilled students trained on a fixed list.
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
         ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.sampling.step_cache).
+
+        Video-to-video: ``video`` (T, H, W, 3) in [0, 1] is resized (bicubic, stretched) to ``height x width``
+        and cut to its first 4n+1 frames; its length replaces ``num_frames``. ``video_latent`` (1, 16, T', h, w) in
+        Wan 2.1 VAE space (ComfyUI's LATENT, e.g. GenerateVideo's latent output) is an already encoded video (its
+        size replaces height/width/num_frames; no posterior draw). ``denoise`` in
+        (0, 1): the run's grid is cut at ``denoise`` (kept sigmas <= it, ``denoise`` prepended, as the refiner
+        cuts at t_thresh), the encoded video is re-noised to the first sigma, ``(1 - s) x + s noise``, and
+        denoised with the prompt. ``denoise`` 1.0 is plain T2V/TI2V (the video is not used).
+        With an ``image``, frame 0 is pinned to it as in TI2V.
+
+        RNG order: the run's generator (seeded with ``seed``) draws the TI2V first-frame posterior, the
+        noise (the whole latent's shape), then ``dmd_student``'s ancestral noise, exactly as text-to-video;
+        the input video's posterior is drawn from a second generator seeded with :func:`video_noise_seed`.
+
+        ``context_frames`` (pixel frames, 4n+1; 0 = off) and ``context_overlap`` (a multiple of 4): the DiT runs
+        on overlapping windows of that length (lingbot_core.sampling.context_windows); a video no longer than
+        one window is sampled exactly as without windows.
         """
         self._require_loaded()
         if self.is_refiner:
             raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
+        if video is not None and video_latent is not None:
+            raise ValueError("give either video (frames) or video_latent, not both.")
+        denoise = _check_denoise(denoise)
+        if video is not None:
+            video = _video_frames(video)
+            usable = (int(video.shape[0]) - 1) // 4 * 4 + 1
+            if usable != video.shape[0]:
+                logger.warning("LingBot-Video: the input video has %d frames; video-to-video uses the first %d "
+                               "(frame counts are 4n+1).", video.shape[0], usable)
+            num_frames = usable
+        if video_latent is not None:
+            video_latent = self.normalizer.to_dit(self._check_video_latent(video_latent))
+            _, _, t_lat, h_lat, w_lat = video_latent.shape
+            num_frames, height, width = (t_lat - 1) * 4 + 1, h_lat * 8, w_lat * 8
         check_video_size(num_frames, height, width)
+        windows = check_context(context_frames, context_overlap)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
         sampler = self._resolve_sampler(sampler)
         sigmas = sampler_sigmas(sampler, steps, float(shift), sigmas)
+        v2v = (video is not None or video_latent is not None) and denoise < 1.0
+        if (video is not None or video_latent is not None) and not v2v:
+            logger.info("LingBot-Video: denoise 1.0 is plain text-to-video; the input video is not used.")
+        if v2v:
+            sigmas = denoise_sigmas(sigmas, denoise)
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
             condition = self.encode_image(image, height, width)
         if condition is not None and condition.size != (height, width):
             raise ValueError(f"the image condition was encoded at {condition.size[0]}x{condition.size[1]} but the video is {height}x{width}; encode it at the video size.")
+        source = None
+        if v2v:
+            if video_latent is None:
+                posterior = self.encode_video(resize_frames(video[:num_frames].float().clamp(0, 1), height, width))
+                video_latent = self.normalizer.to_dit(posterior.sample(torch.Generator("cpu").manual_seed(video_noise_seed(seed))))
+            source = video_latent.float()
         embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
         generator = torch.Generator("cpu").manual_seed(seed)
         # RNG order: TI2V first-frame posterior draw, the initial noise, then (dmd_student) one draw per ancestral step.
@@ -416,11 +501,26 @@ class LingbotPipeline:
         if condition is not None:
             cond_latent = self.normalizer.to_dit(condition.posterior.sample(generator)).float()
         noise = torch.randn(latent_shape(num_frames, height, width, self.transformer.config.in_channels), generator=generator, dtype=torch.float32)
-        latents = self.denoise(embeds, noise, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
-                               callback=callback, step_cache=step_cache, sampler=sampler, generator=generator)
+        start = noise if source is None else start_latent(source, noise, float(sigmas[0]))
+        latents = self.denoise(embeds, start, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
+                               callback=callback, step_cache=step_cache, sampler=sampler, generator=generator,
+                               windows=windows)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents), output_type)
+
+    def _check_video_latent(self, latent: torch.Tensor) -> torch.Tensor:
+        channels = self.transformer.config.in_channels
+        if not isinstance(latent, torch.Tensor) or latent.ndim != 5 or latent.shape[0] != 1 or latent.shape[1] != channels:
+            shape = tuple(latent.shape) if isinstance(latent, torch.Tensor) else type(latent).__name__
+            raise ValueError(f"video_latent must be a LingBot-Video / Wan 2.1 latent (1, {channels}, T, h, w) (GenerateVideo's "
+                             f"latent output); got {shape}.")
+        if latent.shape[3] % 2 or latent.shape[4] % 2:
+            raise ValueError(f"video_latent's height and width ({latent.shape[3]}x{latent.shape[4]}) must be even (pixel "
+                             "sizes a multiple of 16).")
+        if not torch.isfinite(latent).all():
+            raise ValueError("video_latent contains NaN or infinite values.")
+        return latent.float().cpu()
 
     def refine(self, frames, prompt: str, *, negative_prompt: Optional[str] = None, first_frame=None,
                height: int = 1088, width: int = 1920, steps: int = 8, guidance_scale: float = 3.0,
@@ -428,7 +528,8 @@ class LingbotPipeline:
                fps: float = 24.0, max_frames: Optional[int] = None, vae_tiling: bool = True,
                tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE,
                output_type: str = "np", callback: Optional[StepCallback] = None, step_cache: float = 0.0,
-               sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None):
+               sampler: str = "unipc", sigmas: Optional[Sequence[float]] = None,
+               context_frames: int = REFINER_CONTEXT_FRAMES, context_overlap: int = DEFAULT_OVERLAP):
         """The refiner pass: base frames (T, H, W, 3) in [0, 1] -> frames at ``height x width``.
 
         ``sampler``: ``unipc`` (the refiner's own, also what ``auto`` means here) or ``euler``; ``dmd_student`` is
@@ -437,6 +538,9 @@ class LingbotPipeline:
         ``negative_prompt=None`` uses the zeroed negative (the refiner default); a string is encoded.
         ``first_frame`` (the TI2V input image) is re-pinned as the clean first latent frame.
         ``vae_tiling`` tiles the VAE encode and the decode (``tile_size`` / ``tile_stride`` in pixels).
+        ``context_frames`` / ``context_overlap`` (pixel frames): a video longer than ``context_frames`` (default
+        121, the refiner's clip) is denoised in overlapping windows (lingbot_core.sampling.context_windows), so any
+        length fits the memory of one clip; 0 = the whole video as one clip.
         """
         self._require_loaded()
         if not self.is_refiner:
@@ -445,14 +549,11 @@ class LingbotPipeline:
         if sampler == "dmd_student":
             raise ValueError("sampler='dmd_student' is the DMD student's base-model sampler; the refiner keeps flow UniPC: "
                              "use sampler 'unipc' (or 'auto') for Refine.")
-        video = frames if isinstance(frames, torch.Tensor) else torch.as_tensor(np.asarray(frames))
-        if video.ndim != 4 or video.shape[-1] != 3:
-            raise ValueError(f"frames must be (T, H, W, 3); got shape {tuple(video.shape)}.")
+        video = _video_frames(frames)
         if video.shape[0] < 5:
             raise ValueError(f"Refine needs a video of at least 5 frames; got {video.shape[0]} (the refiner is not trained on images).")
-        if not torch.isfinite(video.float()).all():
-            raise ValueError("frames contain NaN or infinite values.")
         check_video_size(1, height, width)
+        windows = check_context(context_frames, context_overlap)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
         if sigmas is None:
@@ -482,7 +583,7 @@ class LingbotPipeline:
         embeds = self.encode_prompt(prompt, negative_prompt, guidance_scale=guidance_scale,
                                     num_frames=video.shape[0], null_negative=negative_prompt is None)
         latents = self.denoise(embeds, latent0, sigmas=sigmas, guidance_scale=guidance_scale, condition_latent=cond_latent,
-                               callback=callback, step_cache=step_cache, sampler=sampler)
+                               callback=callback, step_cache=step_cache, sampler=sampler, windows=windows)
         if output_type == "latent":
             return latents
         return _output(self.decode(latents, **tiling), output_type)

@@ -6,6 +6,7 @@ import logging
 
 from ..lingbot_core import parse_prompt
 from ..lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
+from ..lingbot_core.sampling.context_windows import DEFAULT_OVERLAP, MAX_CONTEXT_FRAMES, REFINER_CONTEXT_FRAMES
 from ..lingbot_core.sampling.scheduling import SAMPLERS, parse_sigmas
 from ..lingbot_core.prompts.text_conditioning import frames_for_prompt, negative_from_widget
 from .comfy_memory import free_comfy_models
@@ -14,6 +15,23 @@ from .progress import step_callback
 logger = logging.getLogger("lingbot_video_nodes")
 
 SEED_MAX = 0xFFFFFFFFFFFFFFFF
+
+
+def _context_inputs(default_frames: int, off: str) -> dict:
+    """The two context-window widgets (pixel frames), shared by GenerateVideo and Refine."""
+    return {
+        "context_frames": ("INT", {"default": default_frames, "min": 1, "max": MAX_CONTEXT_FRAMES, "step": TEMPORAL_COMPRESSION,
+                           "tooltip": f"Context windows: the DiT sees the video as overlapping clips of this many frames (4n+1), "
+                                      f"one at a time, so a long video needs the memory of one clip. {off} A video no longer "
+                                      f"than one window is sampled exactly as without windows."}),
+        "context_overlap": ("INT", {"default": DEFAULT_OVERLAP, "min": 0, "max": MAX_CONTEXT_FRAMES - 1, "step": TEMPORAL_COMPRESSION,
+                            "tooltip": "Frames neighbouring windows share (a multiple of 4, below context_frames - 1); their "
+                                       "results are blended linearly over the overlap. More overlap: smoother joins, more DiT runs."}),
+    }
+
+
+def _context_frames(widget: int) -> int:
+    return 0 if widget <= 1 else widget  # the widget's 1 (its minimum) means off
 
 
 def _latent_output(pipe, latents):
@@ -63,24 +81,34 @@ class GenerateVideo:
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
                 "sampler": (list(SAMPLERS), {"default": "auto", "tooltip": "auto: the package's own sampler (dmd_student for the DMD-distilled MoE student, unipc for every other package). unipc: the reference solver (also what LightX2V runs its four-step LoRA with). euler: flow Euler, for distilled models trained with it. dmd_student: the 8-step DMD student's sampler (use 8 steps, guidance 1.0, shift 3.0)."}),
                 "sigmas": ("STRING", {"default": "", "tooltip": "Optional explicit noise levels, strictly decreasing in (0, 1], e.g. 1.0, 0.9, 0.75, 0.5 (a final 0 is added). They replace steps and shift. Empty = the steps/shift grid. Not with dmd_student (it keeps its own grid)."}),
+                "video": ("IMAGE", {"tooltip": "Video-to-video: the input video (e.g. from Get Video Components), stretched to width x height; its first 4n+1 frames set num_frames. Used when denoise is below 1."}),
+                "video_latent": ("LATENT", {"tooltip": "Video-to-video from a latent instead of frames: a LingBot-Video / Wan 2.1 latent (GenerateVideo's latent output); its size sets width, height and num_frames."}),
+                "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
+                            "tooltip": "Video-to-video strength: the noise level the input video is re-noised to (the schedule is cut there). 1.0 = plain text/image-to-video (the video is ignored); about 0.5-0.7 restyles, 0.2-0.4 keeps the motion and layout closely."}),
+                **_context_inputs(1, "1 = off (the whole video in one pass)."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
                  image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="auto", sigmas="",
+                 video=None, video_latent=None, denoise=1.0, context_frames=1, context_overlap=DEFAULT_OVERLAP,
                  unique_id=None):
         parsed = parse_prompt(prompt)
         for warning in parsed.warnings:
             logger.warning("GenerateVideo prompt: %s", warning)
         num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
         explicit = parse_sigmas(sigmas or "")
+        if video is not None and video_latent is not None:
+            raise ValueError("GenerateVideo: connect either video or video_latent, not both.")
+        samples = None if video_latent is None else video_latent.get("samples") if isinstance(video_latent, dict) else video_latent
         free_comfy_models()
         latents = pipe.generate(
             prompt, negative_prompt=negative_from_widget(negative_prompt), condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
             output_type="latent", callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
-            step_cache=step_cache, sampler=sampler, sigmas=explicit,
+            step_cache=step_cache, sampler=sampler, sigmas=explicit, video=video, video_latent=samples, denoise=denoise,
+            context_frames=_context_frames(context_frames), context_overlap=context_overlap,
         )
         return (pipe.decode(latents), _latent_output(pipe, latents))
 
@@ -120,17 +148,20 @@ class Refine:
                 "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate of the base video; faster videos are resampled to 24 fps."}),
                 "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
+                **_context_inputs(REFINER_CONTEXT_FRAMES, "121 = the refiner's clip (5 s); 1 = off (the whole video as one clip: only for short videos)."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
 
     def refine(self, pipe, frames, prompt, negative_prompt, width, height, steps, guidance_scale, shift, t_thresh,
-               tail_steps, seed, vae_tiling, first_frame=None, fps=24, step_cache=0.0, unique_id=None):
+               tail_steps, seed, vae_tiling, first_frame=None, fps=24, step_cache=0.0,
+               context_frames=REFINER_CONTEXT_FRAMES, context_overlap=DEFAULT_OVERLAP, unique_id=None):
         free_comfy_models()
         out = pipe.refine(
             frames, prompt, negative_prompt=negative_from_widget(negative_prompt),
             first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
             guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
             fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id), step_cache=step_cache,
+            context_frames=_context_frames(context_frames), context_overlap=context_overlap,
         )
         return (out,)

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from .context_windows import ContextWindows, blend_weights
 from .scheduling import make_sampler, model_timestep
 from .step_cache import StepCache
 
@@ -37,6 +38,7 @@ def sample(
     step_cache: Optional[StepCache] = None,
     sampler: str = "unipc",
     generator: Optional[torch.Generator] = None,
+    windows: Optional[ContextWindows] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -47,6 +49,12 @@ def sample(
     cond first) may skip the block stack of a branch on a step. ``sampler`` is ``unipc`` (the reference),
     ``euler`` (flow Euler, :class:`FlowEulerScheduler`) or ``dmd_student`` (:class:`DMDStudentSampler`,
     which draws its ancestral noise from ``generator``, the run's CPU generator).
+
+    ``windows`` (:mod:`.context_windows`): the DiT runs on each window of latent frames as a standalone
+    clip and the guided velocities are blended; the solver steps the whole latent. ``condition_latent``
+    is written into the whole latent, so only the window holding frame 0 sees it. With one window (a
+    video no longer than a window, or ``windows`` None) the DiT gets the whole latent, as before.
+    A ``step_cache`` needs one branch state per CFG branch per window (window-major).
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
@@ -59,21 +67,35 @@ def sample(
     total = len(scheduler.timesteps)
     status = getattr(callback, "status", None)
 
-    def caches(*branches):
-        return None if step_cache is None else [step_cache.branches[j] for j in branches]
+    length = x.shape[2]
+    spans = [(0, length)] if windows is None else windows.spans(length)
+    weights = blend_weights(spans, length) if len(spans) > 1 else None
+    per_window = 2 if do_cfg else 1
+
+    def caches(window, *branches):
+        return None if step_cache is None else [step_cache.branches[window * per_window + j] for j in branches]
+
+    def guided(xw, t_model, window):
+        if do_cfg and lockstep:
+            v, v_uncond = (o.float() for o in transformer(xw, t_model, [positive, negative], step_cache=caches(window, 0, 1)))
+        else:
+            v = transformer(xw, t_model, positive, step_cache=caches(window, 0)).float()
+            if do_cfg:
+                v_uncond = transformer(xw, t_model, negative, step_cache=caches(window, 1)).float()
+        if do_cfg:
+            v = v_uncond + guidance_scale * (v - v_uncond)
+        return v
 
     for i, t in enumerate(scheduler.timesteps):
         if step_cache is not None:
             step_cache.begin_step(i, total)
         t_model = model_timestep(t.reshape(1), dtype).to(x.device)
-        if do_cfg and lockstep:
-            v, v_uncond = (o.float() for o in transformer(x, t_model, [positive, negative], step_cache=caches(0, 1)))
+        if weights is None:
+            v = guided(x, t_model, 0)
         else:
-            v = transformer(x, t_model, positive, step_cache=caches(0)).float()
-            if do_cfg:
-                v_uncond = transformer(x, t_model, negative, step_cache=caches(1)).float()
-        if do_cfg:
-            v = v_uncond + guidance_scale * (v - v_uncond)
+            v = torch.zeros_like(x)
+            for k, ((start, end), w) in enumerate(zip(spans, weights)):
+                v[:, :, start:end] += guided(x[:, :, start:end], t_model, k) * w.to(x.device).view(1, 1, -1, 1, 1)
         x0 = x - scheduler.sigmas[i].item() * v
         x = scheduler.step(v, t, x).prev_sample
         if condition_latent is not None:

@@ -38,6 +38,28 @@ def timesteps_from_sigmas(sigmas: np.ndarray) -> np.ndarray:
     return (sigmas * sigmas.dtype.type(1000)).astype(np.int64)
 
 
+def cut_sigmas(grid: np.ndarray, start: float) -> np.ndarray:
+    """An SDEdit start: the grid's sigmas at or below ``start`` (within 1e-6), with ``start`` itself
+    prepended unless the first kept value is within 1e-6 of it. The refiner cuts at ``t_thresh``, a
+    video-to-video run at its ``denoise`` strength."""
+    grid = np.asarray(grid, dtype=np.float64)
+    kept = grid[grid <= start + 1e-6]
+    if len(kept) == 0 or abs(kept[0] - start) > 1e-6:
+        kept = np.concatenate([[start], kept])
+    return kept
+
+
+def denoise_sigmas(grid: np.ndarray, denoise: float) -> np.ndarray:
+    """A video-to-video schedule: ``grid`` (the run's full grid) cut at ``denoise`` in (0, 1), as float32
+    (the precision the refiner hands its cut list to the solver in). The latent is re-noised to its first value."""
+    if not np.isfinite(denoise) or not 0.0 < denoise < 1.0:
+        raise ValueError(f"denoise={denoise} must be in (0, 1) for a cut schedule (1.0 is plain text-to-video).")
+    kept = cut_sigmas(grid, denoise)
+    if len(kept) == 0 or not np.all(np.isfinite(kept)) or kept.min() <= 0 or np.any(np.diff(kept) >= 0):
+        raise ValueError(f"invalid video-to-video sigma schedule {kept.tolist()} (denoise={denoise}).")
+    return kept.astype(np.float32)
+
+
 def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -> np.ndarray:
     """The refiner's schedule: the normal grid cut at ``t_thresh``, started at it, plus tail points.
 
@@ -48,10 +70,7 @@ def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -
         raise ValueError(f"t_thresh must be in (0, 1], got {t_thresh}.")
     if tail_steps < 0:
         raise ValueError(f"tail_steps must be >= 0, got {tail_steps}.")
-    grid = shifted_sigmas(steps, shift)
-    kept = grid[grid <= t_thresh + 1e-6]
-    if len(kept) == 0 or abs(kept[0] - t_thresh) > 1e-6:
-        kept = np.concatenate([[t_thresh], kept])
+    kept = cut_sigmas(shifted_sigmas(steps, shift), t_thresh)
     if tail_steps:
         last = kept[-1]
         tail = np.linspace(last, min(SIGMA_MIN, last), tail_steps + 2)[1:-1]
