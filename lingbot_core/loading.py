@@ -32,7 +32,7 @@ from .model.attention import diffusers_backend
 from .memory.placement import check_component_devices
 from .sampling.scheduling import load_scheduler_config
 from .sampling.speed import SpeedOptions
-from .model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+from .model.transformer import LingBotVideoTransformer3DModel, align_islands, is_fp32_island
 
 logger = logging.getLogger("lingbot_core")
 
@@ -305,6 +305,8 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     else:
         transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
         checkpoint_weight = functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder)
+    if device.type == "cpu":
+        align_islands(transformer)  # the file's offsets must not change a CPU run's numbers (transformer.py)
     if is_fp8(chosen["transformer"]):
         transformer.stored_compute_dtype = fp8_compute_dtype(device)  # bf16, or fp16 below sm80 (precision)
     common = dict(local_files_only=True, use_safetensors=True)
