@@ -143,6 +143,7 @@ def test_lora_on_a_gguf_dit_runs_as_run_time_adapters(gguf_root, tmp_path):
     save_file(lora, str(lora_file))
     ref = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"}, loras=[(str(lora_file), 1.0)])
     try:
+        align_alike(ref)
         want = ref.generate("a cat", **RUN)
     finally:
         ref.release()
@@ -151,6 +152,7 @@ def test_lora_on_a_gguf_dit_runs_as_run_time_adapters(gguf_root, tmp_path):
     try:
         q = pipe.transformer.blocks[0].attn.to_q
         assert q.weight.dtype == torch.uint8 and q.lora_down is not None and q.lora_down.dtype == torch.float32
+        align_alike(pipe)
         with_lora = _frames(pipe, ("none", "block"))
         pipe.set_loras([])
         assert q.lora_down is None and q.weight.dtype == torch.uint8
@@ -178,6 +180,8 @@ def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root
     dtypes = handle.spec.load_dtypes()
     others = package_bytes(oracle, "transformer", dtypes) - sum(v.numel() * 4 for v in values.values())
     try:
+        with pool.use(handle) as loaded:
+            align_alike(loaded)  # F32 tensors of the GGUF stay mapped at the file's offsets: alike_layout
         got = handle.generate("a cat", **RUN)
         dit = pool._loaded[handle.spec].transformer
         held = sum(t.numel() * t.element_size() for t in list(dit.parameters()) + list(dit.buffers()))
@@ -189,6 +193,7 @@ def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root
     assert held < 0.3 * sum(v.numel() * 4 for v in values.values())  # vs the fp32 DiT
     ref = load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"})
     try:
+        align_alike(ref)
         want = ref.generate("a cat", **RUN)
     finally:
         ref.release()
