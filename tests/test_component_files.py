@@ -152,3 +152,27 @@ def test_fp8_single_file_with_key_scale_tensors(files, tmp_path):
     q = kept.blocks[0].attn.to_q
     assert q.weight.dtype == torch.float8_e4m3fn and torch.equal(q.weight, out["blocks.0.attn.to_q.weight"])
     assert torch.equal(q.scale_weight, out["blocks.0.attn.to_q.weight_scale"].reshape(()))
+
+
+@pytest.mark.parametrize("scale_leaf", ["scale_weight", "weight_scale"])
+def test_fp8_scaled_text_encoder_file_is_descaled_under_either_scale_name(files, tmp_path, scale_leaf):
+    """ComfyUI's fp8_scaled Qwen3-VL files store F8_E4M3 Linear weights with an fp32 scale named
+    ``scale_weight`` or ``weight_scale``; both are applied (a file loaded unscaled ignores the prompt)."""
+    from lingbot_core.model.component_files import load_text_encoder_file
+
+    comfy = load_file(str(files["te"]))
+    out, want = {}, {}
+    for k, v in comfy.items():
+        if k.startswith("model.layers.") and k.endswith(("self_attn.q_proj.weight", "mlp.down_proj.weight")):
+            scale = v.abs().max() / 448.0
+            q = (v / scale).to(torch.float8_e4m3fn)
+            out[k], out[f"{k[:-len('weight')]}{scale_leaf}"] = q, scale.float().reshape(())
+            want["model.language_model." + k[len("model."):]] = q.float() * scale
+        else:
+            out[k] = v
+    assert len(want) >= 4 and all(s.item() < 0.1 for k, s in out.items() if k.endswith(scale_leaf))  # far from 1
+    path = tmp_path / f"qwen3vl_tiny_fp8_{scale_leaf}.safetensors"
+    save_file(out, str(path))
+    got = load_text_encoder_file(path, torch.float32, files["pkg"] / "text_encoder").state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
