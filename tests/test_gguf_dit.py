@@ -9,6 +9,7 @@ gguf = pytest.importorskip("gguf")
 
 from lingbot_core import load_pipeline
 from lingbot_core.files.checkpoint_files import ModelPackageError
+from lingbot_core.model.lora import LoraError
 from lingbot_core.testing.gguf_fixtures import package_state, write_gguf_dit, write_oracle_package
 
 from alike_layout import align_alike, at_offset, in_file_mapping
@@ -166,6 +167,17 @@ def test_lora_on_a_gguf_dit_runs_as_run_time_adapters(gguf_root, tmp_path):
     for mode, frames in with_lora.items():
         rel = ((frames - want).norm() / want.norm()).item()
         assert rel <= 1e-3, (mode, rel, effect)
+
+
+def test_an_overflowing_lora_on_a_gguf_dit_is_refused_when_applied(gguf_root, tmp_path):
+    """Quantized Linears get run-time adapters; adapters that overflow are refused at load, naming the
+    LoRA, instead of a whole run that ends in the generic NaN error."""
+    from test_lora import overflowing_lora
+
+    path, oracle, _ = _case(gguf_root, "Q8_0", "rebel")
+    bad = overflowing_lora(tmp_path / "overflowing_lora.safetensors", "blocks.0.attn.to_q", (256, 256))
+    with pytest.raises(LoraError, match=r"overflowing_lora\.safetensors @ 4.*NaN or infinite"):
+        load_pipeline(oracle, device="cpu", dtypes={"transformer": "fp32"}, transformer_file=path, loras=[(bad, 4.0)])
 
 
 def test_pool_handle_with_a_gguf_dit_counts_mapped_bytes_and_generates(gguf_root):

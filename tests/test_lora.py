@@ -385,6 +385,32 @@ def test_fp8_dit_gets_run_time_adapters_close_to_the_fp32_merge(packages, tmp_pa
     assert torch.isfinite(lat).all()
 
 
+def overflowing_lora(path: Path, module: str, shape, prefix: str = "diffusion_model.") -> Path:
+    """A LoRA whose factors are finite (the file passes its checks) but whose ``up`` times a strength
+    of 4 is beyond fp32's range: its adapters would be infinite."""
+    out_f, in_f = shape
+    save_file({f"{prefix}{module}.lora_down.weight": torch.full((RANK, in_f), 0.5),
+               f"{prefix}{module}.lora_up.weight": torch.full((out_f, RANK), 3e38),
+               f"{prefix}{module}.alpha": torch.tensor(float(RANK))}, str(path))
+    return path
+
+
+def test_an_overflowing_lora_on_an_fp8_dit_is_refused_when_applied(packages, tmp_path):
+    """fp8 Linears get run-time adapters; adapters that overflow are refused by set_loras, naming the
+    LoRA, instead of a run that ends in the generic NaN error; removing it gives the plain frames back."""
+    shapes = _linear_shapes(moe=False)
+    bad = overflowing_lora(tmp_path / "overflowing_lora.safetensors", "blocks.1.attn.to_v", shapes["blocks.1.attn.to_v"])
+    pipe = load_pipeline(packages["dense"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    try:
+        plain = pipe.generate(PROMPT, **RUN, output_type="latent")
+        with pytest.raises(LoraError, match=r"overflowing_lora\.safetensors @ 4.*NaN or infinite"):
+            pipe.set_loras([(bad, 4.0)])
+        pipe.set_loras([])
+        assert torch.equal(pipe.generate(PROMPT, **RUN, output_type="latent"), plain)
+    finally:
+        pipe.release()
+
+
 # -- other formats ---------------------------------------------------------------------------------
 
 
