@@ -12,6 +12,8 @@ from lingbot_core import load_pipeline
 from lingbot_core.files.checkpoint_files import ModelPackageError
 from lingbot_core.testing.gguf_fixtures import package_state
 
+from alike_layout import align_alike
+
 RUN = dict(height=32, width=32, num_frames=5, steps=2, seed=7, guidance_scale=1.0, output_type="pt")
 
 
@@ -53,12 +55,14 @@ def files(tmp_path_factory):
 def test_single_files_give_the_package_frames(files):
     ref = load_pipeline(files["pkg"], device="cpu", dtypes={"transformer": "fp32", "text_encoder": "fp32"})
     try:
+        align_alike(ref)  # two files, two layouts: compared on alike ones (alike_layout)
         want = ref.generate("a cat", **RUN)
     finally:
         ref.release()
     pipe = load_pipeline(files["side"], device="cpu", dtypes={"transformer": "fp32", "text_encoder": "fp32"},
                          transformer_file=files["dit"], text_encoder_file=files["te"], vae_file=files["vae"])
     try:
+        align_alike(pipe)
         got = pipe.generate("a cat", **RUN)
         te = pipe.text_encoder
     finally:
