@@ -61,7 +61,9 @@ def align_islands(model: nn.Module) -> int:
     aligned). The time MLPs run one row per video, so their output would depend on where the file put
     them, and a MoE's top-k routing turns that 1e-7 into another expert choice. The islands are few
     bytes (dense 148 MiB, MoE 198 MiB in fp32: 5.6 % and 0.34 % of the files), so they are copied; the
-    big weights stay file-backed. On a GPU the device copy is aligned anyway, so nothing is copied there."""
+    big weights stay file-backed. On a GPU the device copy is aligned anyway, so nothing is copied there.
+    (A package's islands are read into copies of their own by ``load_transformer(island_copies=True)``,
+    without touching their mapped pages; this aligns what else a loader left mapped.)"""
     moved = 0
     for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
         if is_fp32_island(name):
