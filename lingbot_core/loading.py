@@ -32,7 +32,7 @@ from .model.attention import diffusers_backend
 from .memory.placement import check_component_devices
 from .sampling.scheduling import load_scheduler_config
 from .sampling.speed import SpeedOptions
-from .model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
+from .model.transformer import LingBotVideoTransformer3DModel, align_islands, is_fp32_island, kernel_aligned
 
 logger = logging.getLogger("lingbot_core")
 
@@ -63,13 +63,19 @@ def _dtype(value, allowed: Dict[str, torch.dtype] = DTYPES, component: str = "")
     raise ValueError(f"dtype {value!r} is not supported{where}; use one of {', '.join(allowed)} or a torch dtype.")
 
 
-def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer") -> LingBotVideoTransformer3DModel:
+def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer",
+                     island_copies: bool = False) -> LingBotVideoTransformer3DModel:
     """Build the DiT on ``meta`` from ``config.json`` and assign the checkpoint's tensors (one copy in RAM).
 
     Every name and shape is checked; fp32 islands stay fp32 whatever ``dtype`` is. With an fp8
     ``dtype`` the block Linear weights are stored in fp8 with a scale (:mod:`lingbot_core.files.fp8`), the
     other tensors in bf16 except the islands computed in fp32. fp8 checkpoints (fp8 ``weight`` + ``scale_weight``, ComfyUI's
     "fp8 scaled" convention) load under any ``dtype``.
+
+    ``island_copies`` (a DiT computed on the CPU) reads the fp32 islands with plain file reads into
+    64-byte aligned memory of their own instead of mapping them at the file's offsets (see
+    :func:`~lingbot_core.model.transformer.align_islands`): their mapped pages are never touched, so
+    the copies cost no RSS beyond the islands' bytes.
     """
     from safetensors import SafetensorError
 
@@ -96,7 +102,8 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
                 shape = reader.shape(key)
                 _check_tensor(name, reader.path, key, expected, tuple(shape))
                 converted = fp8 and is_quantized_name(key)  # read into a reused buffer: only the fp8 copy is kept
-                tensor = reader.get(key, scratch=converted)
+                island_copy = island_copies and is_fp32_island(key)
+                tensor = reader.get(key, scratch=converted or island_copy)
                 scale = None
                 if key in stored_scales:
                     try:
@@ -123,6 +130,8 @@ def load_transformer(folder: Path, dtype: torch.dtype, name: str = "transformer"
                     shard[key] = dequantize(tensor, scale, target)
                 else:
                     shard[key] = tensor.to(target)
+                if island_copy and shard[key].untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+                    shard[key] = shard[key].clone()  # still the reused read buffer: a copy of its own (aligned)
                 del tensor
                 seen.add(key)
             model.load_state_dict(shard, strict=False, assign=True)
@@ -195,6 +204,14 @@ def check_transformer(folder: Path, name: str = "transformer") -> None:
 
 # Keys of community fp8 checkpoints that carry no weight (a format marker).
 IGNORED_CHECKPOINT_KEYS = frozenset({"scaled_fp8"})
+
+def _islands_aligned(read):
+    """``read(key, dtype)`` with fp32 islands given aligned memory (:func:`align_islands`)."""
+    def read_aligned(key: str, dtype: torch.dtype) -> torch.Tensor:
+        tensor = read(key, dtype)
+        return kernel_aligned(tensor) if is_fp32_island(key) else tensor
+    return read_aligned
+
 
 def check_package(model_dir, transformer_subfolder: str = "transformer", files: Optional[dict] = None) -> Optional[Path]:
     """Check the folder is a released package with safetensors weights for every component (cheap: no
@@ -324,8 +341,12 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
         transformer = load_dit_file(transformer_file, chosen["transformer"], config, transformer_subfolder, dit_file)
         checkpoint_weight = functools.partial(file_checkpoint_tensor, transformer_file, transformer_subfolder)
     else:
-        transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder)
+        transformer = load_transformer(root / transformer_subfolder, chosen["transformer"], transformer_subfolder,
+                                       island_copies=device.type == "cpu")
         checkpoint_weight = functools.partial(checkpoint_tensor, root / transformer_subfolder, transformer_subfolder)
+    if device.type == "cpu":
+        align_islands(transformer)  # the file's offsets must not change a CPU run's numbers (mapped single files)
+        checkpoint_weight = _islands_aligned(checkpoint_weight)  # an island restored after a LoRA, too
     if is_fp8(chosen["transformer"]):
         transformer.stored_compute_dtype = fp8_compute_dtype(device)  # bf16, or fp16 below sm80 (precision)
     common = dict(local_files_only=True, use_safetensors=True)

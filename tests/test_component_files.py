@@ -12,6 +12,8 @@ from lingbot_core import load_pipeline
 from lingbot_core.files.checkpoint_files import ModelPackageError
 from lingbot_core.testing.gguf_fixtures import package_state
 
+from alike_layout import align_alike
+
 RUN = dict(height=32, width=32, num_frames=5, steps=2, seed=7, guidance_scale=1.0, output_type="pt")
 
 
@@ -53,12 +55,14 @@ def files(tmp_path_factory):
 def test_single_files_give_the_package_frames(files):
     ref = load_pipeline(files["pkg"], device="cpu", dtypes={"transformer": "fp32", "text_encoder": "fp32"})
     try:
+        align_alike(ref)  # two files, two layouts: compared on alike ones (alike_layout)
         want = ref.generate("a cat", **RUN)
     finally:
         ref.release()
     pipe = load_pipeline(files["side"], device="cpu", dtypes={"transformer": "fp32", "text_encoder": "fp32"},
                          transformer_file=files["dit"], text_encoder_file=files["te"], vae_file=files["vae"])
     try:
+        align_alike(pipe)
         got = pipe.generate("a cat", **RUN)
         te = pipe.text_encoder
     finally:
@@ -293,3 +297,27 @@ def test_the_memory_budget_counts_the_three_files_without_a_package(three_files)
     assert pipe.pool.weight_bytes(pipe.spec) == package_bytes(None, "transformer", pipe.spec.load_dtypes(), files)
     with pytest.raises(ModelPackageError, match="vae_file is missing"):
         PipelinePool().handle(None, device="cpu", transformer_file=files["transformer"], text_encoder_file=files["text_encoder"])
+
+
+@pytest.mark.parametrize("scale_leaf", ["scale_weight", "weight_scale"])
+def test_fp8_scaled_text_encoder_file_is_descaled_under_either_scale_name(files, tmp_path, scale_leaf):
+    """ComfyUI's fp8_scaled Qwen3-VL files store F8_E4M3 Linear weights with an fp32 scale named
+    ``scale_weight`` or ``weight_scale``; both are applied (a file loaded unscaled ignores the prompt)."""
+    from lingbot_core.model.component_files import load_text_encoder_file
+
+    comfy = load_file(str(files["te"]))
+    out, want = {}, {}
+    for k, v in comfy.items():
+        if k.startswith("model.layers.") and k.endswith(("self_attn.q_proj.weight", "mlp.down_proj.weight")):
+            scale = v.abs().max() / 448.0
+            q = (v / scale).to(torch.float8_e4m3fn)
+            out[k], out[f"{k[:-len('weight')]}{scale_leaf}"] = q, scale.float().reshape(())
+            want["model.language_model." + k[len("model."):]] = q.float() * scale
+        else:
+            out[k] = v
+    assert len(want) >= 4 and all(s.item() < 0.1 for k, s in out.items() if k.endswith(scale_leaf))  # far from 1
+    path = tmp_path / f"qwen3vl_tiny_fp8_{scale_leaf}.safetensors"
+    save_file(out, str(path))
+    got = load_text_encoder_file(path, torch.float32, files["pkg"] / "text_encoder").state_dict()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k

@@ -8,6 +8,7 @@ picks the sampler for a package marked as a DMD student, Refine and explicit sig
 above 1 warns once, and offload modes / lockstep CFG / the step cache / fp8 / LoRA compose with it.
 """
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -291,6 +292,43 @@ def test_refine_refuses_dmd_student(refiner_pipe):
     assert refiner_pipe.own_sampler == "unipc"
     with pytest.raises(ValueError, match="the refiner keeps flow UniPC"):
         refiner_pipe.refine(frames, "a cat", height=32, width=32, steps=2, sampler="dmd_student")
+
+
+def test_refine_with_auto_keeps_unipc_for_a_dmd_packages_refiner(tmp_path):
+    """A DMD student package's refiner is no student: Refine with sampler "auto" runs flow UniPC (the
+    same frames as "unipc") instead of refusing dmd_student."""
+    root = write_package(tmp_path / "lingbot-tiny-student", moe=True, fp32=True, seed=1, refiner=True, dmd=True)
+    pipe = load_pipeline(root, transformer_subfolder="refiner", device="cpu")
+    try:
+        assert pipe.dmd_reason  # the package is recognised as a student
+        frames = np.full((5, 32, 32, 3), 0.5, dtype=np.float32)
+        run = dict(height=32, width=32, steps=2, seed=3, output_type="latent")
+        auto = pipe.refine(frames, "a cat", sampler="auto", **run)
+        assert torch.equal(auto, pipe.refine(frames, "a cat", sampler="unipc", **run))
+        assert pipe.own_sampler == "unipc"
+    finally:
+        pipe.release()
+
+
+def test_the_packages_own_ddim_eta_is_honoured(tmp_path):
+    """A student distilled with another eta states it in its scheduler config. With ddim_eta 0 an
+    ancestral step lands on (1 - s') x0 + s' x1 = x + (s' - s) v: flow Euler on the student's grid, an
+    independent oracle (a dense DiT: no routing). Only the DiT's timesteps differ (the student's are
+    truncated to integers, Euler's are sigma * 1000): 5e-3 apart; eta 1 (the default) adds fresh noise
+    of the latent's own size on the ancestral steps."""
+    root = write_package(tmp_path / "lingbot-tiny-student", moe=False, fp32=True, seed=1, refiner=False, dmd=True)
+    config_file = root / "scheduler" / "scheduler_config.json"
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    assert config["ddim_eta"] == 1.0
+    config_file.write_text(json.dumps(dict(config, ddim_eta=0.0)), encoding="utf-8")
+    pipe = load_pipeline(root, device="cpu")
+    try:
+        student = pipe.generate("a cat", seed=3, sampler="dmd_student", **TINY)
+        euler = pipe.generate("a cat", seed=3, sampler="euler", sigmas=dmd_sigmas(8, 3.0).tolist(), **TINY)
+    finally:
+        pipe.release()
+    assert torch.isfinite(student).all() and euler.abs().max() > 0.1
+    assert (student - euler).abs().max().item() <= 2e-2, (student - euler).abs().max().item()
 
 
 def test_guidance_above_one_warns_once_and_lockstep_gives_the_same_frames(student, caplog):

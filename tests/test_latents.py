@@ -378,6 +378,22 @@ def test_tiled_decode_streams_tiles_to_the_host_with_diffusers_numbers(shape):
     assert sum(n for e in events if e != "decode" for n in [e[1]]) == frames.shape[0] * frames.shape[1] * frames.shape[2]
 
 
+@pytest.mark.parametrize("tile, stride", [((32, 48), (24, 40)), ((32, 48), (32, 48))], ids=["overlapping", "no overlap"])
+def test_a_latent_of_exactly_one_tile_decodes_whole_with_tiling_on(tile, stride):
+    """A latent exactly one tile large is not tiled (diffusers decodes it whole): every pixel of every
+    frame is the whole decode's, none left from an uninitialised buffer or a blend with a phantom tile."""
+    from lingbot_core.model.latents import vae_decode
+
+    vae = tiny_vae(seed=2)
+    z = torch.randn(1, 16, 2, tile[0] // 8, tile[1] // 8, generator=torch.Generator().manual_seed(4))
+    with vae_tiling(vae, False):
+        whole = _diffusers_frames(vae, z)
+    with vae_tiling(vae, True, tile, stride), torch.no_grad():
+        frames = vae_decode(vae, z, torch.device("cpu"))
+    assert frames.shape == whole.shape == (5, tile[0], tile[1], 3)
+    assert torch.equal(frames, whole)
+
+
 def test_untiled_decode_and_encode_unchanged():
     """Without tiling the decode is diffusers' decode post-processed in frame chunks (the same bits), and
     the chunked encode input gives the moments of the whole-video formula."""

@@ -14,6 +14,8 @@ from lingbot_core import load_pipeline
 from lingbot_core.testing.fixtures import dit_config
 from lingbot_core.model.lora import LoraError, parse_lora_arg
 
+from alike_layout import align_alike
+
 PROMPT = "a red fox running through snow"
 RUN = dict(TINY, guidance_scale=3.0, seed=7)
 RANK = 4
@@ -97,12 +99,14 @@ def test_lightx2v_naming_on_moe_matches_a_hand_merged_package(packages, tmp_path
     assert len(load_file(str(lora))) == 2 * 7 * dit_config(True)["depth"]  # 672 at full size (48 blocks)
     pipe = load_pipeline(packages["moe"], device="cpu", loras=[(lora, 0.8)])
     try:
+        align_alike(pipe)  # merged weights are fresh copies, the merged package's are mapped: alike_layout
         got = _frames(pipe)
         latent = pipe.generate(PROMPT, **RUN, output_type="latent")
     finally:
         pipe.release()
     ref_pipe = load_pipeline(merged_package(packages["moe"], tmp_path / "merged", [(deltas, 0.8)]), device="cpu")
     try:
+        align_alike(ref_pipe)
         want = _frames(ref_pipe)
         want_latent = ref_pipe.generate(PROMPT, **RUN, output_type="latent")
     finally:
@@ -332,7 +336,8 @@ def test_lora_handles_share_one_pipeline_and_each_gets_its_own_stack(packages, t
     finally:
         direct.release()
     assert torch.equal(a, a2) and torch.equal(plain, plain2)  # one loaded copy: bit for bit
-    assert (b - want_b).abs().max() < 1e-5  # another load: within a bound
+    # Another load of the same file: the same offsets, and both merge into fresh copies (alike layouts).
+    assert (b - want_b).abs().max() < 1e-5
     assert (a - b).abs().max() > 1e-3
 
 
@@ -378,6 +383,32 @@ def test_fp8_dit_gets_run_time_adapters_close_to_the_fp32_merge(packages, tmp_pa
     finally:
         pipe.release()
     assert torch.isfinite(lat).all()
+
+
+def overflowing_lora(path: Path, module: str, shape, prefix: str = "diffusion_model.") -> Path:
+    """A LoRA whose factors are finite (the file passes its checks) but whose ``up`` times a strength
+    of 4 is beyond fp32's range: its adapters would be infinite."""
+    out_f, in_f = shape
+    save_file({f"{prefix}{module}.lora_down.weight": torch.full((RANK, in_f), 0.5),
+               f"{prefix}{module}.lora_up.weight": torch.full((out_f, RANK), 3e38),
+               f"{prefix}{module}.alpha": torch.tensor(float(RANK))}, str(path))
+    return path
+
+
+def test_an_overflowing_lora_on_an_fp8_dit_is_refused_when_applied(packages, tmp_path):
+    """fp8 Linears get run-time adapters; adapters that overflow are refused by set_loras, naming the
+    LoRA, instead of a run that ends in the generic NaN error; removing it gives the plain frames back."""
+    shapes = _linear_shapes(moe=False)
+    bad = overflowing_lora(tmp_path / "overflowing_lora.safetensors", "blocks.1.attn.to_v", shapes["blocks.1.attn.to_v"])
+    pipe = load_pipeline(packages["dense"], device="cpu", dtypes={"transformer": "fp8_e4m3fn"})
+    try:
+        plain = pipe.generate(PROMPT, **RUN, output_type="latent")
+        with pytest.raises(LoraError, match=r"overflowing_lora\.safetensors @ 4.*NaN or infinite"):
+            pipe.set_loras([(bad, 4.0)])
+        pipe.set_loras([])
+        assert torch.equal(pipe.generate(PROMPT, **RUN, output_type="latent"), plain)
+    finally:
+        pipe.release()
 
 
 # -- other formats ---------------------------------------------------------------------------------

@@ -41,6 +41,39 @@ def is_fp32_island(name: str) -> bool:
     return any(part in FP32_ISLANDS for part in name.split("."))
 
 
+# CPU kernels may take another path (and round differently) for a weight that is not 64-byte aligned:
+# torch's one-row Linear (GEMV) does on AVX-512 machines, measured, while several rows (GEMM) did not.
+KERNEL_ALIGNMENT = 64
+
+
+def kernel_aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself when its data is 64-byte aligned (or not on the CPU), else an aligned copy
+    (torch's CPU allocator aligns to 64)."""
+    if tensor.device.type != "cpu" or tensor.data_ptr() % KERNEL_ALIGNMENT == 0:
+        return tensor
+    return tensor.clone()
+
+
+def align_islands(model: nn.Module) -> int:
+    """Give the fp32 islands of a DiT computed on the CPU 64-byte aligned memory; returns how many moved.
+
+    A memory-mapped checkpoint hands its tensors out at the file's offsets (safetensors: 8-byte
+    aligned). The time MLPs run one row per video, so their output would depend on where the file put
+    them, and a MoE's top-k routing turns that 1e-7 into another expert choice. The islands are few
+    bytes (dense 148 MiB, MoE 198 MiB in fp32: 5.6 % and 0.34 % of the files), so they are copied; the
+    big weights stay file-backed. On a GPU the device copy is aligned anyway, so nothing is copied there.
+    (A package's islands are read into copies of their own by ``load_transformer(island_copies=True)``,
+    without touching their mapped pages; this aligns what else a loader left mapped.)"""
+    moved = 0
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if is_fp32_island(name):
+            aligned = kernel_aligned(tensor.data)
+            if aligned is not tensor.data:
+                tensor.data = aligned
+                moved += 1
+    return moved
+
+
 # Run-time LoRA adapters a Linear may carry (built by lingbot_core.model.lora; None when absent).
 ADAPTER_PARAMS = ("lora_down", "lora_up", "lora_diff", "lora_diff_b")
 
