@@ -330,6 +330,8 @@ class LingbotPipeline:
         ``condition_latent`` (1, 16, 1, h, w) is written into frame 0 before sampling and after every step.
         ``step_cache`` > 0 skips the DiT's block stack on steps whose input barely changed
         (lingbot_core.sampling.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
+        ``callback.interrupt``, when the callback has one (a callable that raises to cancel), also runs before
+        each streamed DiT block under offload ``block``, so a long step can be cancelled between blocks.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -339,10 +341,12 @@ class LingbotPipeline:
                            "distilled in, so guidance above 1.0 applies it twice (and runs the DiT twice per step); "
                            "its recipe is 1.0.", g)
         cache = make_step_cache(step_cache, len(sigmas), 2 if g > 1.0 else 1)
+        interrupt = getattr(callback, "interrupt", None)  # the host's cancel check, also run between blocks
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
             self.offloader.expect_forwards(len(sigmas) * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
+            self.offloader.set_interrupt(interrupt)
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)
