@@ -658,3 +658,56 @@ def test_interrupt_between_streamed_blocks_drains_and_leaves_nothing(deep_packag
         np.testing.assert_array_equal(pipe.generate("a cat", image=test_image, **RUN), deep_reference)
     finally:
         pipe.release()
+
+
+def test_settle_keeps_a_job_whose_wait_was_interrupted():
+    """Issue 31 item 5: an exception raised into ``settle``'s wait (the job still running) leaves the job
+    pending, so a later drain still waits for it; once it has finished it is forgotten."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from lingbot_core.memory.offload import _DeviceSlot
+
+    slot = _DeviceSlot(torch.empty(8, dtype=torch.uint8))
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        job = pool.submit(gate.wait, 10)
+        slot.pending = job
+        with mock.patch.object(Future, "result", side_effect=KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                slot.settle(reraise=True)
+        assert slot.pending is job
+        gate.set()
+        slot.settle(reraise=False)
+        assert slot.pending is None and job.done()
+
+
+def test_drain_is_a_barrier_for_jobs_whose_handle_was_lost():
+    """Issue 31 item 5: ``drain`` waits for every job submitted to the staging thread, also one no buffer
+    holds any more, before it synchronises the side stream: the job's copy is queued first."""
+    import threading
+
+    from fake_streams import RecordingStreams
+
+    ring = BlockRing(64, 2)
+    ring.streams = streams = RecordingStreams()
+    gate = threading.Event()
+    dst, src = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
+
+    def late_copy():
+        gate.wait(0.5)  # still running when the stage ends
+        streams.copy_on_side(dst, src)
+        streams.record_side(streams.event())
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    ring._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
+    try:
+        ring._worker.submit(late_copy)  # its handle is nowhere: as after an interrupted settle
+        ring.drain()
+        names = [c[0] for c in streams.calls]
+        assert "copy_on_side" in names and names.index("copy_on_side") < names.index("synchronize")
+        assert torch.equal(dst, src)  # the copy landed before the stage end returned
+    finally:
+        gate.set()
+        ring.release_host()

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -251,13 +252,35 @@ class Experts(nn.Module):
         for name in ("w1", "w2", "w3"):
             self.register_buffer(f"scale_{name}", None)
         self.qtypes = {}
+        self._held: Optional[dict] = None  # dtype -> stacks, while a block call holds them (holding_stacks)
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w1, w3, w2)`` in ``dtype``, each whole stack converted once (bf16 stacks are returned as they
         are). fp8 stacks cost one cast and one in-place scale per stack, whatever the number of experts;
-        the price is one block's expert weights in bf16 while the layer runs."""
-        return tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
-                     else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
+        the price is one block's expert weights in bf16 while the layer runs. Inside :meth:`holding_stacks`
+        the converted stacks are kept and returned again."""
+        held = self._held
+        if held is not None and dtype in held:
+            return held[dtype]
+        out = tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
+                    else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
+        if held is not None:
+            held[dtype] = out
+        return out
+
+    @contextmanager
+    def holding_stacks(self) -> Iterator[None]:
+        """Within: stacks that need converting (GGUF or fp8) are converted once and kept, so the CFG branches
+        of one lockstep block call share them (one dequantization per stack per block call, not per branch);
+        dropped on exit. Costs nothing extra at the peak: a branch holds them while its experts run anyway."""
+        if not (self.qtypes or any(getattr(self, f"scale_{n}") is not None for n in ("w1", "w2", "w3"))):
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -428,7 +451,9 @@ class TransformerBlock(nn.Module):
         for h, f in zip(x, freqs):  # the sequence length changes with the prompt: no recompile for it
             torch._dynamo.maybe_mark_dynamic(h, 1)
             torch._dynamo.maybe_mark_dynamic(f, 0)
-        return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
+        shared = len(x) > 1 and isinstance(self.ffn, MoEFeedForward)
+        with self.ffn.experts.holding_stacks() if shared else nullcontext():  # the branches share the stacks
+            return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
 
 
 def _moe_ffn(ffn: nn.Module, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
