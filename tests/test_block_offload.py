@@ -510,9 +510,9 @@ def copies_synchronised_before_release(calls) -> bool:
 
 def test_interrupt_inside_a_staging_wait_still_drains_the_job(deep_package, test_image):
     """Issue 31 item 5: an exception raised *into* the compute thread's wait on a staging job (Ctrl-C on the
-    CLI's main thread; here ``Future.result`` raises KeyboardInterrupt once, before the job has run) must not
-    lose the job: the stage's drain waits for it, so its copy is queued before the side stream is synchronised
-    and before the device buffers are released, never into a released buffer."""
+    CLI's main thread; here ``Future.result`` raises KeyboardInterrupt while the job for block 1 is still
+    held back) must not lose the job: the stage's end waits for it, so its copy is queued before the side
+    stream is synchronised and the device buffers are released, never into a released buffer."""
     import threading
     from concurrent.futures import Future
 
@@ -522,46 +522,43 @@ def test_interrupt_inside_a_staging_wait_still_drains_the_job(deep_package, test
     pipe = load_pipeline(deep_package, offload="block", device="cpu")
     try:
         streams = RecordingStreams()
-        gate = threading.Event()  # the interrupted job runs only after the stage's end began (or 2 s)
-        orig_stage, orig_result = offload._stage, Future.result
-        state = {"armed": False, "fired": False}
+        released = threading.Event()  # the held-back job runs once the buffers are released (or after 2 s)
+        orig_stage, orig_result, orig_release = offload._stage, Future.result, BlockRing.release_device
+        state = {"held": False, "armed": False, "fired": False}
 
-        def stage(*a):
-            if state["fired"]:
-                gate.wait(timeout=2.0)
-            return orig_stage(*a)
+        def stage(ring, streams_, unit, *a):
+            if unit.label == "block1" and not state["held"]:  # the first copy of block 1: held back
+                state["held"] = True
+                released.wait(timeout=2.0)
+            return orig_stage(ring, streams_, unit, *a)
 
         def result(self, timeout=None):
             if state["armed"] and not state["fired"] and threading.current_thread() is threading.main_thread():
                 state["fired"] = True
-                raise KeyboardInterrupt
+                raise KeyboardInterrupt  # lands inside the wait, the job still running
             return orig_result(self, timeout)
 
-        orig_drain = BlockRing.drain
+        def release_device(ring):
+            released.set()
+            return orig_release(ring)
 
-        def drain(ring):
-            gate.set()  # the stage's end: a lost job would now copy after the synchronize
-            return orig_drain(ring)
-
-        calls = {"n": 0}
-
-        def arm(*_):  # from the second streamed block on
-            calls["n"] += 1
-            state["armed"] = calls["n"] >= 2
+        def arm(module, args):  # before block 1 waits for its copy
+            state["armed"] = module is pipe.transformer.blocks[1]
 
         handles = [b.register_forward_pre_hook(arm) for b in pipe.transformer.blocks]
         try:
             with mock.patch.object(offload, "_stage", stage), mock.patch.object(Future, "result", result), \
-                    mock.patch.object(BlockRing, "drain", drain):
+                    mock.patch.object(BlockRing, "release_device", release_device):
                 with pytest.raises(KeyboardInterrupt):
                     stream_run(pipe, streams, image=test_image, **RUN)
+                ring = pipe.transformer._hf_hook.ring
+                ring._worker.submit(lambda: None).result()  # let a lost job finish before judging
         finally:
             for h in handles:
                 h.remove()
-        assert state["fired"]
-        assert streams.violations == []
+        assert state["fired"] and state["held"]
+        assert streams.violations == []  # no copy into a released buffer
         assert copies_synchronised_before_release(streams.calls)
-        ring = pipe.transformer._hf_hook.ring
         assert ring.device_slots == [] and all(not u.on_device for u in pipe.transformer._hf_hook.streamed)
     finally:
         pipe.release()
@@ -585,17 +582,16 @@ def test_stage_end_synchronises_the_side_stream_before_dropping_buffers(deep_pac
 def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_image):
     """Issue 28: under ``block`` the text encoder streams by layers; a prompt encode that raises mid-forward
     leaves a layer materialised on the device unless the stage's reset puts it back (as under sequential)."""
-    from test_offload import _all_params_meta  # noqa: F401  (the sequential test's helper)
-
     pipe = load_pipeline(deep_package, offload="block", device="cpu")
     try:
-        layer = pipe.text_encoder.model.language_model.layers[1]
+        linear = pipe.text_encoder.model.language_model.layers[1].mlp.down_proj
         with fake_accelerator(pipe):
-            with mock.patch.object(type(layer.mlp), "forward", side_effect=RuntimeError("mid-encode failure")):
+            # the layer's own forward (accelerate's hook has already put its weight on the device) raises
+            with mock.patch.object(linear, "_old_forward", side_effect=RuntimeError("mid-encode failure")):
                 with pytest.raises(RuntimeError, match="mid-encode"):
                     pipe.generate("a cat", image=test_image, **RUN)
             assert pipe.offloader.resident() == []
-            assert all(p.device.type == "meta" for p in layer.parameters())
+            assert all(p.device.type == "meta" for p in linear.parameters())  # back to meta, not left "on the GPU"
     finally:
         pipe.release()
 

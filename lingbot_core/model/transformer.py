@@ -27,7 +27,7 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from ..files import gguf_weights
 from ..files.fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
-from .precision import grouped_mm_supported
+from .precision import use_grouped_mm
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -283,8 +283,9 @@ class Experts(nn.Module):
             self._held = None
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return grouped_mm_supported(x.device)
+def _use_grouped_mm(x: torch.Tensor, hidden: int) -> bool:
+    """The dispatch for tokens ``x`` (N, D) and experts of width ``hidden`` (``precision.use_grouped_mm``)."""
+    return use_grouped_mm(x.device, x.shape[0], x.shape[-1], hidden)
 
 
 # Tokens per ``torch._grouped_mm`` pass: bounds the gathered (token, expert) rows to 8 x 8192 rows at a time.
@@ -312,15 +313,16 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     over ``ids == e``, hence the same bits. This per-expert loop needs the slice sizes on the host: one
     host sync per call (the one ``tolist``).
 
-    ``grouped`` (the default wherever ``torch._grouped_mm`` runs on the device, see
-    ``precision.grouped_mm_supported``) runs the experts as one ``torch._grouped_mm`` per weight stack,
+    ``grouped`` (the default wherever ``torch._grouped_mm`` runs on the device, within the limits of
+    ``precision.grouped_dispatch``: widths divisible by 8, and off torch's native kernel at most
+    ``precision.FALLBACK_GROUPED_MAX_TOKENS`` tokens) runs the experts as one ``torch._grouped_mm`` per weight stack,
     in chunks of :data:`GROUPED_CHUNK_TOKENS` tokens, with the offsets kept on the device (no host sync
     in this function), and then adds each token's k contributions in ascending expert id, starting from
     zero: the same bits again where the grouped kernel computes each row as a matmul would (checked on
     CPU; scripts/gpu-check compares on CUDA).
     """
     if grouped is None:
-        grouped = _use_grouped_mm(x)
+        grouped = _use_grouped_mm(x, experts.w1.shape[1])
     w1, w3, w2 = experts.stacks(x.dtype)
     if grouped:
         return _run_experts_grouped(x, ids, gates, w1, w3, w2)
