@@ -7,7 +7,8 @@ predecessor; evicting drops the device copy and points the module back at the CP
 left, so nothing is ever copied device-to-host. ``sequential`` streams each module's weights in its
 own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a
 child's tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert
-weights). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
+weights); its VAE is placed as under ``model`` (its decoder runs once per latent frame of every
+tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
 and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
 every other block is copied in just before it runs while the next one is prefetched, through a fixed
 ring of two device buffers and two exact-size pinned staging buffers (:class:`BlockRing`) that a
@@ -177,7 +178,13 @@ class Offloader:
         else:
             for name, module in self.components.items():
                 module.to("cpu")
-                self._stream_layers(name, module, device(name))
+                if name == "vae":
+                    # Placed as under model: the decoder runs once per latent frame of every tile, and
+                    # streaming its weights for each call copies ~150 GB per 1080p x 121 decode for a
+                    # 0.5 GB VAE (gpu-review-3 finding 8). The VAE fits where the DiT's blocks do.
+                    self._chain_hook(module, device(name), None)
+                else:
+                    self._stream_layers(name, module, device(name))
 
     def _chain_hook(self, module: nn.Module, device: torch.device, prev) -> UserCpuOffloadHook:
         """accelerate's ``cpu_offload_with_hook`` with :class:`HomeOffload` instead of ``CpuOffload``."""
@@ -239,11 +246,12 @@ class Offloader:
         model: offload every component of the chain (a full reset of the chain's state).
         block: the same for the VAE, and every DiT block and the DiT's other weights; the text encoder
         as under sequential.
-        sequential: put back on ``meta`` any weights that a forward which raised left materialised.
+        sequential: offload the VAE (placed as under model); put back on ``meta`` any weights that a
+        forward which raised left materialised.
         none: nothing to do.
         """
         dirty = False
-        if self.mode in ("model", "block"):
+        if self._chain:  # model's chain, block's and sequential's VAE
             for hook in self._chain:
                 hook.offload()
             transformer = self.components.get("transformer")
