@@ -831,10 +831,11 @@ def markdown(report: dict) -> str:
     if ring:
         lines += [f"Ring probe ({ring['layers']}-layer full-width MoE, {'x'.join(map(str, ring['size']))}, block K=0, lockstep CFG; "
                   f"block {ring['block_bytes'] / MIB:.0f} MiB, pinned {ring['pinned_bytes'] / MIB:.0f} MiB):", "",
-                  "| step | wall s | host copy s | GPU idle between blocks s | bytes | host syncs |", "|---:|---:|---:|---:|---:|---:|"]
+                  "| step | wall s | host copy s | GPU idle between blocks s | bytes | host syncs (sync-debug mode) "
+                  "| compute thread waited s |", "|---:|---:|---:|---:|---:|---:|---:|"]
         for x in ring["per_step"]:
             lines.append(f"| {x['step']} | {x['wall_s']} | {x['host_copy_s']} | {x['gpu_idle_between_blocks_s']} | "
-                         f"{x['bytes']:,} | {x['host_syncs']} |")
+                         f"{x['bytes']:,} | {x['host_syncs']} | {x.get('compute_wait_s', '-')} |")
         lines.append("")
     dec = report.get("decode")
     if dec:
