@@ -187,6 +187,8 @@ def run(device="cpu", tokens: int = 3400, repeats: int = 5, seed: int = 0, tiny:
         "median_s": {k: round(v, 4) for k, v in med.items()},
         "all_s": {k: [round(x, 4) for x in v] for k, v in times.items()},
     }
+    ref = fp64_reference(ffn, f).cpu()
+    report["vs_fp64"] = {k: error_vs(outputs[k], ref) for k in ("slices", "grouped") if k in outputs}
     for base in ("before", "issue10"):
         if base in med:
             report[f"ratio_to_{base}"] = {k: round(v / med[base], 3) for k, v in med.items() if k != base}
@@ -202,6 +204,42 @@ def _variants(ffn, f) -> dict:
         variants["grouped"] = lambda: _patched(ffn, f, True)
     variants["slices"] = lambda: _patched(ffn, f, False)
     return variants
+
+
+def fp64_reference(ffn: MoEFeedForward, f: torch.Tensor) -> torch.Tensor:
+    """The MoE forward with the routed experts as an fp64 product of the same bf16 operands (the bf16
+    input rows, the bf16 expert weights, the routing of the pack), without the bf16 rounding of the
+    intermediate; the shared expert as every variant computes it. fp64, on ``f``'s device."""
+
+    def experts(xb, ids, gates):
+        out = torch.zeros(xb.shape[0], ffn.experts.w2.shape[1], dtype=torch.float64, device=xb.device)
+        for e in ids.unique().tolist():
+            rows, slot = (ids == e).nonzero(as_tuple=True)
+            x = xb[rows].double()
+            h = F.silu(x @ _stack(ffn, "w1", e).double().t()) * (x @ _stack(ffn, "w3", e).double().t())
+            out.index_add_(0, rows, (h @ _stack(ffn, "w2", e).double().t()) * gates[rows, slot].double()[:, None])
+        return out
+
+    shape = f.shape
+    tokens = f.reshape(-1, shape[-1])
+    ids, gates = route_tokens(
+        tokens, ffn.router.weight, ffn.router.e_score_correction_bias, top_k=ffn.top_k, n_group=ffn.n_group,
+        topk_group=ffn.topk_group, norm_topk_prob=ffn.norm_topk_prob, routed_scaling_factor=ffn.routed_scaling_factor,
+    )
+    out = experts(tokens.to(torch.bfloat16), ids, gates.to(tokens.dtype))
+    out = out + ffn.shared_experts(tokens, torch.bfloat16).double()
+    return out.reshape(shape)
+
+
+def error_vs(out: torch.Tensor, ref: torch.Tensor) -> dict:
+    """``out``'s error against ``ref`` (fp64): relative RMS, and the largest error in bf16 ulps of its row's
+    largest magnitude (the spacing of bf16 numbers at that magnitude: 2^(floor(log2 m) - 7))."""
+    out, ref = out.double().reshape(-1, ref.shape[-1]), ref.double().reshape(-1, ref.shape[-1])
+    err = (out - ref).abs()
+    rel_rms = float(err.pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-300))
+    row_max = ref.abs().amax(dim=-1).clamp_min(1e-30)
+    ulp = torch.exp2(torch.floor(torch.log2(row_max)) - 7)
+    return {"rel_rms": rel_rms, "max_ulps": float((err.amax(dim=-1) / ulp).max())}
 
 
 def _vm(field: str) -> float:

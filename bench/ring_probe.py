@@ -15,7 +15,10 @@ text encoder or VAE: the ring is all that is measured). Per step it reports:
   overlapped the previous block);
 - **host syncs**: on CUDA, what ``torch.cuda.set_sync_debug_mode("warn")`` reports (every call that made
   the host wait for the GPU); on CPU, the reads back to the host (``.item()``, ``.tolist()``,
-  ``bincount``, ``nonzero``) counted by a dispatch mode.
+  ``bincount``, ``nonzero``) counted by a dispatch mode. Neither sees the compute thread waiting for the
+  staging thread (a Python future), so:
+- **compute wait s**: seconds the thread that runs the DiT spent waiting for staging jobs (the ring's
+  ``compute_wait_s``): a host-side stall the sync counts miss.
 
 On a CPU the device is the tests' fake ``cuda:3`` (``tests/fake_accelerator.py``: device buffers are
 host memory) with the tests' recorded streams (``tests/fake_streams.py``), so the ring, its staging
@@ -165,6 +168,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
                     "host_copy_s": round(ring.stats["host_copy_s"] - before["host_copy_s"], 4),
                     "bytes": ring.stats["bytes"] - before["bytes"], "blocks_copied": ring.stats["copies"] - before["copies"],
                     "gpu_idle_between_blocks_s": None if idle is None else round(idle, 4), "host_syncs": syncs,
+                    "compute_wait_s": round(ring.stats["compute_wait_s"] - before["compute_wait_s"], 4),
                 })
         pinned = offloader.pinned_bytes()
         peak = torch.cuda.max_memory_allocated() if cuda else None

@@ -365,6 +365,8 @@ class LingbotPipeline:
         (lingbot_core.sampling.step_cache); 0 = off. ``generator`` (CPU) feeds the ancestral noise of ``dmd_student``.
         ``windows`` (lingbot_core.sampling.context_windows.check_context) runs the DiT on overlapping windows of
         latent frames, each a standalone clip, and blends their velocities; None = the whole latent at once.
+        ``callback.interrupt``, when the callback has one (a callable that raises to cancel), also runs before
+        each streamed DiT block under offload ``block``, so a long step can be cancelled between blocks.
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -377,10 +379,12 @@ class LingbotPipeline:
         if n_windows > 1:
             logger.info("LingBot-Video: %s.", windows.describe(latents.shape[2]))
         cache = make_step_cache(step_cache, len(sigmas), (2 if g > 1.0 else 1) * n_windows)
+        interrupt = getattr(callback, "interrupt", None)  # the host's cancel check, also run between blocks
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
             self.offloader.expect_forwards(len(sigmas) * n_windows * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
+            self.offloader.set_interrupt(interrupt)
             device = self.offloader.execution_device("transformer")
             positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)

@@ -17,7 +17,7 @@ import torch
 from lingbot_core import OFFLOAD_MODES, load_pipeline
 from lingbot_core.memory import host_memory
 from lingbot_core.testing.fixtures import dit_config, write_dit, write_package
-from lingbot_core.memory.offload import BlockStreamer
+from lingbot_core.memory.offload import BlockRing, BlockStreamer
 from residency import ResidencyTracker
 from test_offload import FAKE, SIZE, assert_placed_on_hook_device, fake_accelerator, only
 
@@ -402,12 +402,24 @@ def stream_run(pipe, streams, **run):
 
     handles = [b.attn.to_q.register_forward_pre_hook(probe(b)) for b in pipe.transformer.blocks if hasattr(b, "_hf_hook")]
     try:
-        with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe):
+        with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe), \
+                reporting_releases(streams):
             frames = pipe.generate("a cat", **run)
     finally:
         for h in handles:
             h.remove()
     return frames, used
+
+
+def reporting_releases(streams):
+    """The ring tells ``streams`` (a RecordingStreams) which device buffers it drops, when it drops them."""
+    orig = BlockRing.release_device
+
+    def release_device(ring):
+        streams.released([slot.buffer for slot in ring.device_slots])
+        return orig(ring)
+
+    return mock.patch.object(BlockRing, "release_device", release_device)
 
 
 def staging_refills_waited(calls) -> bool:
@@ -475,3 +487,224 @@ def test_pinned_buffers_lock_their_own_pages_and_unlock_when_dropped():
         del a
         gc.collect()
         assert unregistered == [pb, pa]
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 31 item 5 / issue 28: the ring's stage end under an interrupt, the text encoder under block's
+# reset, the expected forwards outside lockstep, and the host's cancel check between blocks
+# ---------------------------------------------------------------------------------------------
+
+
+def copies_synchronised_before_release(calls) -> bool:
+    """Every side-stream copy is followed by a ``synchronize`` before the next release of the buffers."""
+    unsynced = False
+    for call, _, _ in calls:
+        if call == "copy_on_side":
+            unsynced = True
+        elif call == "synchronize":
+            unsynced = False
+        elif call == "released" and unsynced:
+            return False
+    return True
+
+
+def test_interrupt_inside_a_staging_wait_still_drains_the_job(deep_package, test_image):
+    """Issue 31 item 5: an exception raised *into* the compute thread's wait on a staging job (Ctrl-C on the
+    CLI's main thread; here ``Future.result`` raises KeyboardInterrupt while the job for block 1 is still
+    held back) must not lose the job: the stage's end waits for it, so its copy is queued before the side
+    stream is synchronised and the device buffers are released, never into a released buffer."""
+    import threading
+    from concurrent.futures import Future
+
+    from fake_streams import RecordingStreams
+    from lingbot_core.memory import offload
+
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        streams = RecordingStreams()
+        released = threading.Event()  # the held-back job runs once the buffers are released (or after 2 s)
+        orig_stage, orig_result, orig_release = offload._stage, Future.result, BlockRing.release_device
+        state = {"held": False, "armed": False, "fired": False}
+
+        def stage(ring, streams_, unit, *a):
+            if unit.label == "block1" and not state["held"]:  # the first copy of block 1: held back
+                state["held"] = True
+                released.wait(timeout=2.0)
+            return orig_stage(ring, streams_, unit, *a)
+
+        def result(self, timeout=None):
+            if state["armed"] and not state["fired"] and threading.current_thread() is threading.main_thread():
+                state["fired"] = True
+                raise KeyboardInterrupt  # lands inside the wait, the job still running
+            return orig_result(self, timeout)
+
+        def release_device(ring):
+            if state["fired"]:  # the interrupted stage's end (earlier stages release too)
+                released.set()
+            return orig_release(ring)
+
+        def arm(module, args):  # before block 1 waits for its copy
+            state["armed"] = module is pipe.transformer.blocks[1]
+
+        handles = [b.register_forward_pre_hook(arm) for b in pipe.transformer.blocks]
+        try:
+            with mock.patch.object(offload, "_stage", stage), mock.patch.object(Future, "result", result), \
+                    mock.patch.object(BlockRing, "release_device", release_device):
+                with pytest.raises(KeyboardInterrupt):
+                    stream_run(pipe, streams, image=test_image, **RUN)
+                ring = pipe.transformer._hf_hook.ring
+                ring._worker.submit(lambda: None).result()  # let a lost job finish before judging
+        finally:
+            for h in handles:
+                h.remove()
+        assert state["fired"] and state["held"]
+        assert streams.violations == []  # no copy into a released buffer
+        assert copies_synchronised_before_release(streams.calls)
+        assert ring.device_slots == [] and all(not u.on_device for u in pipe.transformer._hf_hook.streamed)
+    finally:
+        pipe.release()
+
+
+def test_stage_end_synchronises_the_side_stream_before_dropping_buffers(deep_package, test_image):
+    """Issue 28: the buffers are dropped only after every copy on the side stream is known complete (the
+    fake streams check it at each release), and no copy ever lands in a released buffer."""
+    from fake_streams import RecordingStreams
+
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        streams = RecordingStreams()
+        stream_run(pipe, streams, image=test_image, **RUN)
+        assert ("released", None, None) in streams.calls
+        assert streams.violations == [] and copies_synchronised_before_release(streams.calls)
+    finally:
+        pipe.release()
+
+
+def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_image):
+    """Issue 28: under ``block`` the text encoder streams by layers; a prompt encode that raises mid-forward
+    leaves a layer materialised on the device unless the stage's reset puts it back (as under sequential)."""
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        linear = pipe.text_encoder.model.language_model.layers[1].mlp.down_proj
+        with fake_accelerator(pipe):
+            # the layer's own forward (accelerate's hook has already put its weight on the device) raises
+            with mock.patch.object(linear, "_old_forward", side_effect=RuntimeError("mid-encode failure")):
+                with pytest.raises(RuntimeError, match="mid-encode"):
+                    pipe.generate("a cat", image=test_image, **RUN)
+            assert pipe.offloader.resident() == []
+            assert all(p.device.type == "meta" for p in linear.parameters())  # back to meta, not left "on the GPU"
+    finally:
+        pipe.release()
+
+
+def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package, test_image):
+    """Issue 28: with CFG lockstep off every step makes two DiT forwards; the stage expects all of them, so
+    block 0 is prefetched after the last block of every forward but the stage's last one."""
+    pipe = load_pipeline(deep_package, offload="block", device="cpu", cfg_lockstep=False)
+    try:
+        streamer = pipe.transformer._hf_hook
+        prefetched = []
+        orig = streamer.before_block
+
+        def before_block(j):
+            orig(j)
+            if j == len(streamer.streamed) - 1:
+                prefetched.append(streamer.streamed[0].on_device)
+
+        with mock.patch.object(streamer, "before_block", before_block), fake_accelerator(pipe):
+            streamer.execution_device = FAKE
+            pipe.generate("a cat", image=test_image, **RUN)
+        forwards = RUN["steps"] * 2
+        assert prefetched == [True] * (forwards - 1) + [False]
+    finally:
+        pipe.release()
+
+
+def test_interrupt_between_streamed_blocks_drains_and_leaves_nothing(deep_package, deep_reference, test_image):
+    """Issue 31 item 17: the host's cancel check (``callback.interrupt``, ComfyUI's in the nodes) runs before
+    each streamed block: a cancel mid-step stops at the next block, after draining the copies in flight,
+    with nothing left on the device; the next run gives the reference frames."""
+    from fake_streams import RecordingStreams
+
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        streams = RecordingStreams()
+        checks = []
+
+        class Cancelled(Exception):
+            pass
+
+        def interrupt():
+            checks.append(1)
+            if len(checks) == DEPTH + 3:  # step 1, inside the second forward's (the negative's) blocks
+                raise Cancelled("processing interrupted")
+
+        def callback(i, n, x0):
+            pass
+
+        callback.interrupt = interrupt
+        with ResidencyTracker(pipe) as tr:
+            with pytest.raises(Cancelled):
+                stream_run(pipe, streams, image=test_image, callback=callback, **RUN)
+            assert tr.current() == frozenset() and tr.blocks_resident() == set()
+        assert len(checks) == DEPTH + 3  # checked before every streamed block, and it stopped at once
+        assert streams.violations == [] and copies_synchronised_before_release(streams.calls)
+        streamer = pipe.transformer._hf_hook
+        assert streamer.interrupt is None and streamer.ring.device_slots == []
+        streamer.execution_device, streamer.streams = torch.device("cpu"), None  # off the fake device again
+        np.testing.assert_array_equal(pipe.generate("a cat", image=test_image, **RUN), deep_reference)
+    finally:
+        pipe.release()
+
+
+def test_settle_keeps_a_job_whose_wait_was_interrupted():
+    """Issue 31 item 5: an exception raised into ``settle``'s wait (the job still running) leaves the job
+    pending, so a later drain still waits for it; once it has finished it is forgotten."""
+    import threading
+    from concurrent.futures import Future, ThreadPoolExecutor
+
+    from lingbot_core.memory.offload import _DeviceSlot
+
+    slot = _DeviceSlot(torch.empty(8, dtype=torch.uint8))
+    gate = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        job = pool.submit(gate.wait, 10)
+        slot.pending = job
+        with mock.patch.object(Future, "result", side_effect=KeyboardInterrupt):
+            with pytest.raises(KeyboardInterrupt):
+                slot.settle(reraise=True)
+        assert slot.pending is job
+        gate.set()
+        slot.settle(reraise=False)
+        assert slot.pending is None and job.done()
+
+
+def test_drain_is_a_barrier_for_jobs_whose_handle_was_lost():
+    """Issue 31 item 5: ``drain`` waits for every job submitted to the staging thread, also one no buffer
+    holds any more, before it synchronises the side stream: the job's copy is queued first."""
+    import threading
+
+    from fake_streams import RecordingStreams
+
+    ring = BlockRing(64, 2)
+    ring.streams = streams = RecordingStreams()
+    gate = threading.Event()
+    dst, src = torch.zeros(64, dtype=torch.uint8), torch.ones(64, dtype=torch.uint8)
+
+    def late_copy():
+        gate.wait(0.5)  # still running when the stage ends
+        streams.copy_on_side(dst, src)
+        streams.record_side(streams.event())
+
+    from concurrent.futures import ThreadPoolExecutor
+
+    ring._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
+    try:
+        ring._worker.submit(late_copy)  # its handle is nowhere: as after an interrupted settle
+        ring.drain()
+        names = [c[0] for c in streams.calls]
+        assert "copy_on_side" in names and names.index("copy_on_side") < names.index("synchronize")
+        assert torch.equal(dst, src)  # the copy landed before the stage end returned
+    finally:
+        gate.set()
+        ring.release_host()

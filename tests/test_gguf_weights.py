@@ -61,3 +61,95 @@ def test_plain_types(kind):
 def test_partial_block_is_refused():
     with pytest.raises(ValueError, match="whole number"):
         gguf_weights.dequantize(torch.zeros(2, 35, dtype=torch.uint8), "Q8_0")
+
+
+# -- issue 31 item 6: no host syncs and no repeated work in the dequantization ------------------------
+
+
+def count_factory_calls():
+    """Counts ``torch.tensor`` (a Python list to the device: on CUDA a pageable copy that synchronises the
+    host) and ``torch.arange`` calls while active; ``calls`` is the running total."""
+    from unittest import mock
+
+    calls = {"tensor": 0, "arange": 0}
+    orig_tensor, orig_arange = torch.tensor, torch.arange
+
+    def tensor(*a, **k):
+        calls["tensor"] += 1
+        return orig_tensor(*a, **k)
+
+    def arange(*a, **k):
+        calls["arange"] += 1
+        return orig_arange(*a, **k)
+
+    return calls, mock.patch.multiple(torch, tensor=tensor, arange=arange)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_makes_no_device_constants_after_the_first_call(kind):
+    """Every call after the first builds no constant tensor: nothing from a Python list (a host sync per call
+    on CUDA), and the shift vectors are made once per device and reused."""
+    rng = np.random.default_rng(5)
+    block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+    raw = torch.from_numpy(random_blocks(kind, 4, 2 * max(block, 256), rng))
+    gguf_weights.dequantize(raw, kind, torch.bfloat16)  # the first call may make the shift vectors
+    calls, patch = count_factory_calls()
+    with patch:
+        for _ in range(3):
+            gguf_weights.dequantize(raw, kind, torch.bfloat16)
+    assert calls == {"tensor": 0, "arange": 0}
+
+
+def _gguf_moe_block(kind="Q8_0", seed=0):
+    """A small MoE DiT block whose expert stacks are GGUF bytes (quantized by gguf-py)."""
+    from lingbot_core.model.transformer import MoEFeedForward, TransformerBlock
+
+    cfg = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, n_group=2, topk_group=1,
+               n_shared_experts=1, routed_scaling_factor=2.5, score_func="sigmoid", norm_topk_prob=True)
+    dim, heads = 64, 2
+    block = TransformerBlock(dim, heads, 1e-6, qkv_bias=False, out_bias=True, ffn=MoEFeedForward(dim, cfg))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(block.named_parameters()) + list(block.named_buffers()):
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=g) * 0.1)
+    experts = block.ffn.experts
+    for name in ("w1", "w2", "w3"):
+        values = getattr(experts, name).detach().numpy().astype(np.float32)
+        raw = gguf.quants.quantize(values, gguf.GGMLQuantizationType[kind])
+        setattr(experts, name, torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(raw)), requires_grad=False))
+        experts.qtypes[name] = kind
+    return block
+
+
+def test_a_lockstep_block_call_dequantizes_each_stack_once_for_both_branches():
+    """The two CFG branches of one block call (lockstep) share the dequantized expert stacks: one
+    dequantization per stack per block call, dropped after it, and the same numbers as branch by branch."""
+    from unittest import mock
+
+    from lingbot_core.model.transformer import rope_frequencies, rope_position_ids
+
+    block = _gguf_moe_block()
+    g = torch.Generator().manual_seed(1)
+    grid, text_len = (1, 2, 3), 4
+    freqs = rope_frequencies(rope_position_ids(grid, text_len), (8, 12, 12), 256.0)
+    xs = [torch.randn(1, 6 + text_len, 64, generator=g) for _ in range(2)]
+    temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
+    stacks = []
+    orig = gguf_weights.dequantize
+
+    def counting(raw, qtype, *a, **k):
+        if raw.dim() == 3:  # an expert stack (experts, rows, row bytes)
+            stacks.append(raw.data_ptr())
+        return orig(raw, qtype, *a, **k)
+
+    with torch.no_grad(), mock.patch.object(gguf_weights, "dequantize", counting):
+        both = block(xs, temb6, [freqs, freqs], torch.bfloat16)
+        per_call = list(stacks)
+        stacks.clear()
+        alone = [block(x, temb6, freqs, torch.bfloat16) for x in xs]
+    experts = block.ffn.experts
+    assert sorted(per_call) == sorted(t.data_ptr() for t in (experts.w1, experts.w2, experts.w3))  # one each
+    assert len(stacks) == 6  # branch by branch: three per call
+    assert experts._held is None  # dropped after the call
+    for a, b in zip(both, alone):
+        assert torch.equal(a, b)

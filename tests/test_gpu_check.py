@@ -16,7 +16,8 @@ def test_gpu_check_tiny_cpu(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OMP_NUM_THREADS="2")
     cmd = [str(REPO / "scripts" / "gpu-check"), "--device", "cpu", "--size", "tiny", "--steps", "1",
-           "--out", str(out), "--rows", ",".join(ROWS)]
+           "--out", str(out), "--rows", ",".join(ROWS),
+           "--budget-s", "3600"]  # a slow shared CI CPU must not skip parts: the budget is tested on a fake clock
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     snapshot, deadline = None, time.monotonic() + 600
     while proc.poll() is None and time.monotonic() < deadline:
@@ -66,6 +67,95 @@ def test_gpu_check_tiny_cpu(tmp_path):
         ("cpu", "none", True), ("cpu", "model", True)]  # on a CPU host "another device" is the same one
     gg = report["gguf"]["rows"]  # issue 23: a GGUF MoE in offload block streams its quantized bytes
     assert [r["type"] for r in gg] == ["Q4_K", "Q8_0"] and all(r["finite"] for r in gg)
-    assert all(0 < r["streamed_bytes_per_step"] < r["file_bytes"] for r in gg)
-    assert gg[0]["streamed_bytes_per_step"] < 0.6 * gg[1]["streamed_bytes_per_step"]  # 4.5 vs 8.5 bits a weight
-    assert "| Q4_K | 2 |" in md
+    assert all(0 < r["streamed_bytes_per_forward_computed"] < r["file_bytes"] for r in gg)
+    assert all("ring_bytes_per_step" not in r for r in gg)  # no ring copies on a CPU: nothing measured is claimed
+    assert gg[0]["streamed_bytes_per_forward_computed"] < 0.6 * gg[1]["streamed_bytes_per_forward_computed"]  # 4.5 vs 8.5 bits
+    assert "| Q4_K | 2 |" in md and "(computed)" in md
+
+
+def _gpu_check_module():
+    import importlib.util
+    import sys
+
+    if "gpu_check_under_test" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("gpu_check_under_test", REPO / "scripts" / "gpu_check.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules["gpu_check_under_test"]
+
+
+def test_gpu_check_survives_a_missing_package(tmp_path, monkeypatch):
+    """Issue 31 item 1: the device lacks ``gguf``. The run the device call makes (budget 420 s) still writes
+    its JSON, runs offload rows and the moe part, and records the gguf part's failure instead of dying."""
+    import sys
+
+    gpu_check = _gpu_check_module()
+    monkeypatch.setitem(sys.modules, "gguf", None)  # ``import gguf`` raises ImportError
+    for name in [m for m in sys.modules if m.startswith("gguf.")]:
+        monkeypatch.setitem(sys.modules, name, None)
+    out = tmp_path / "out"
+    rc = gpu_check.main(["--device", "cpu", "--size", "tiny", "--budget-s", "420", "--steps", "1", "--out", str(out),
+                         "--workdir", str(tmp_path / "work"), "--skip", "precision,placement",
+                         "--rows", "dense-bf16-none,dense-bf16-block"])
+    report = json.loads((out / "gpu-check.json").read_text())
+    assert rc == 1 and not report["ok"] and not report["partial"]  # a part raised: FAIL, but a complete report
+    assert "import of gguf" in report["gguf_error"] and "gguf" not in report
+    rows = {r["name"]: r for r in report["rows"]}
+    assert set(rows) == {"dense-bf16-none", "dense-bf16-block"}
+    assert all("skipped" not in r and "error" not in r and r["frames_finite"] for r in rows.values())
+    assert rows["dense-bf16-block"]["same_as"] == {"row": "dense-bf16-none", "equal": True}
+    moe = report["moe"]  # the part after gguf ran
+    assert moe["bit_identical_to_before"]["slices"] and all(moe["within_bound"].values())
+    md = (out / "gpu-check.md").read_text()
+    assert "Errors (the part raised; the run went on): gguf: " in md and "Result: FAIL" in md
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_budget_schedule_leaves_the_rows_a_window_after_the_build():
+    """Issue 31 item 2: at the device call's budget (420 s), after the precision part (20 s) and the first
+    run's package build (60 s), the offload rows still get their window (at least the floor, ending where
+    the later parts' reservations begin), and each later part then starts when it takes its estimate."""
+    gpu_check = _gpu_check_module()
+    clock = FakeClock()
+    sched = gpu_check.Schedule(420, clock=clock)
+    clock.t += 20 + 60  # precision, package build
+    later = ["placement", "gguf", "moe", "ring", "decode"]
+    rows_end = sched.rows_deadline(later)
+    assert rows_end - clock() >= gpu_check.ROWS_FLOOR_S > 0  # the dense-bf16 group (and more) is started
+    assert rows_end <= sched.deadline - sum(gpu_check.PART_ESTIMATE_S[p] for p in later)
+    clock.t = rows_end  # the rows used their whole window
+    for part in later:
+        assert sched.fits(part), part
+        clock.t += gpu_check.PART_ESTIMATE_S[part]
+    assert clock() <= sched.deadline
+    # a late build: the floor holds (bounded by the budget), and what no longer fits is not started
+    clock2 = FakeClock()
+    late = gpu_check.Schedule(420, clock=clock2)
+    clock2.t += 300
+    end = late.rows_deadline(later)
+    assert end == min(late.deadline, clock2() + gpu_check.ROWS_FLOOR_S)
+    clock2.t = end
+    assert not late.fits("gguf") and late.left() >= 0
+    # the old reservations (gguf 120, moe 30, ring 120, decode 90) would have left the rows nothing at 80 s
+    assert 420 - (120 + 30 + 120 + 90) < 80
+
+
+def test_moe_verdict_does_not_require_bit_identity_of_grouped():
+    """Issue 31 item 3: on sm90 cuBLAS may reduce in another order than the per-expert loop: grouped is judged
+    by the bound against the fp64 product, its bit identity is reported only."""
+    gpu_check = _gpu_check_module()
+    moe = {"bit_identical_to_before": {"slices": True, "grouped": False}, "grouped_is_default": True,
+           "vs_fp64": {"slices": {"rel_rms": 1e-3, "max_ulps": 1.0}, "grouped": {"rel_rms": 1.1e-3, "max_ulps": 1.5}}}
+    moe["within_bound"] = {k: gpu_check.grouped_within_bound(v) for k, v in moe["vs_fp64"].items()}
+    assert gpu_check.verdict({"moe": moe})
+    moe["vs_fp64"]["grouped"] = {"rel_rms": 0.3, "max_ulps": 900.0}  # a wrong expert: O(1) errors
+    moe["within_bound"] = {k: gpu_check.grouped_within_bound(v) for k, v in moe["vs_fp64"].items()}
+    assert not gpu_check.verdict({"moe": moe})

@@ -148,3 +148,42 @@ def test_per_slice_path_never_gathers_all_routed_rows():
         run_experts(tokens, ids, gates, ffn.experts, grouped=False)
     wide = [s for s in shapes if len(s) == 2 and s[1] == DIM]
     assert wide and max(s[0] for s in wide) <= tokens.shape[0], sorted(set(wide))  # at most N rows of width D
+
+
+# -- issue 31 item 7 / finding 13: the dispatch decision ------------------------------------------------
+
+
+def test_fallback_grouped_kernel_takes_the_loop_at_real_token_counts():
+    """Off torch's native grouped kernel (sm80/86/89/120: host-read offsets, one matmul per expert) the loop
+    runs above one grouped chunk of tokens: at 480x832x121 (48,360 tokens) on sm89 it is the loop; on sm90
+    (native) grouped; a width not divisible by 8 always takes the loop (torch's stride rule would raise)."""
+    from lingbot_core.model.precision import FALLBACK_GROUPED_MAX_TOKENS, grouped_dispatch, grouped_mm_fast
+
+    cuda = torch.device("cuda", 0)
+    has = hasattr(torch, "_grouped_mm")
+    native_89, native_90 = grouped_mm_fast(cuda, (8, 9)), grouped_mm_fast(cuda, (9, 0))
+    assert native_89 is False and native_90 is has
+    tokens = 48_360
+    assert grouped_dispatch(tokens, 2048, 768, supported=True, native=native_89) is False  # the loop
+    assert grouped_dispatch(FALLBACK_GROUPED_MAX_TOKENS, 2048, 768, supported=True, native=native_89) is True
+    assert grouped_dispatch(tokens, 2048, 768, supported=True, native=True) is True
+    assert grouped_dispatch(100, 2048, 764, supported=True, native=True) is False  # 764 % 8 != 0
+    assert grouped_dispatch(100, 2044, 768, supported=True, native=True) is False
+    assert grouped_dispatch(100, 2048, 768, supported=False, native=False) is False
+
+
+def test_run_experts_dispatch_follows_the_decision():
+    """``run_experts`` asks the decision with the layer's token count and widths."""
+    from lingbot_core.model import transformer
+
+    ffn = make_ffn(torch.bfloat16)
+    f = torch.randn(1, 9, DIM, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    asked = []
+
+    def decide(device, tokens, dim, hidden):
+        asked.append((device.type, tokens, dim, hidden))
+        return False
+
+    with torch.no_grad(), mock.patch.object(transformer, "use_grouped_mm", decide):
+        ffn(f, torch.bfloat16)
+    assert asked == [("cpu", 9, DIM, CFG["moe_intermediate_size"])]

@@ -242,6 +242,44 @@ def _all_params_meta(module):
     return all(p.device.type == "meta" for p in module.parameters())
 
 
+def _vae_placed_whole(pipe):
+    """The VAE under a whole-module offload hook (as under model), its weights on the CPU between stages."""
+    from lingbot_core.memory.offload import HomeOffload, _hooks
+
+    vae = pipe.offloader.components["vae"]
+    return (any(isinstance(h, HomeOffload) for h in _hooks(vae))
+            and not any(hasattr(m, "_hf_hook") for m in vae.modules() if m is not vae)
+            and all(p.device.type == "cpu" for p in vae.parameters()))
+
+
+def test_sequential_tiled_decode_loads_the_vae_weights_once(packages):
+    """Issue 31 (gpu-review-3 finding 8): under sequential the tiled decode calls the decoder once per latent
+    frame of every tile; streamed per call, the VAE's weights would cross the bus that many times. Placed as
+    under model, each weight is loaded once per decode; the frames are those of offload none."""
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    try:
+        latents = torch.randn(1, 16, 2, 8, 12, generator=torch.Generator().manual_seed(2))
+        tiles = dict(tiling=True, tile_size=(32, 32), tile_stride=(24, 24))
+        reference = pipe.decode(latents, **tiles)
+        pipe.set_offload("sequential")
+        vae = pipe.offloader.components["vae"]
+        calls = []
+        handle = vae.decoder.register_forward_pre_hook(lambda m, a: calls.append(1))
+        try:
+            with fake_accelerator(pipe) as req:
+                frames = pipe.decode(latents, **tiles)
+        finally:
+            handle.remove()
+        weights = len(list(vae.parameters())) + len(list(vae.buffers()))
+        loads = [r for r in req if r[2] is not None and r[2].type == "cuda" and "lingbot_core" not in r[0].split(".")]
+        assert len(calls) >= 2 * 2  # tiled: several tiles, one decoder call per latent frame of each
+        assert 0 < len(loads) <= weights  # each weight at most once per decode
+        assert pipe.offloader.resident() == []
+        torch.testing.assert_close(frames, reference, rtol=0, atol=0)
+    finally:
+        pipe.release()
+
+
 def test_sequential_structure_and_meta_between_forwards(packages, test_image):
     pipe = load_pipeline(packages["moe"], offload="sequential", device="cpu")
     try:
@@ -256,14 +294,16 @@ def test_sequential_structure_and_meta_between_forwards(packages, test_image):
         for block in dit_blocks:
             assert isinstance(block._hf_hook, AlignDevicesHook) and block._hf_hook.offload and block._hf_hook.place_submodules
             assert not any(hasattr(m, "_hf_hook") for m in block.modules() if m is not block)
-        for name in ("transformer", "vae", "text_encoder"):
+        for name in ("transformer", "text_encoder"):
             assert _all_params_meta(pipe.offloader.components[name]), name
+        assert _vae_placed_whole(pipe)  # issue 31: the VAE is placed as under model
         with ResidencyTracker(pipe) as tr:
             pipe.generate("a cat", image=test_image, **RUN)
             assert tr.current() == frozenset()
         assert tr.peak_bytes > 0
-        for name in ("transformer", "vae", "text_encoder"):
+        for name in ("transformer", "text_encoder"):
             assert _all_params_meta(pipe.offloader.components[name]), name
+        assert _vae_placed_whole(pipe)
     finally:
         pipe.release()
 

@@ -584,3 +584,92 @@ def test_rope_table_is_cached_exactly_and_bounded():
 def test_denoise_leaves_no_rope_table_cached(dense_pipe):
     dense_pipe.generate("a cat", height=32, width=32, num_frames=1, steps=1, seed=0, output_type="latent")
     assert len(dense_pipe.transformer._rope_cache) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 31 item 8: RoPE's live memory
+# ---------------------------------------------------------------------------------------------
+
+
+class LiveBytes:
+    """A dispatch mode that follows every storage allocated inside it (alive while any tensor on it is):
+    ``peak`` is the most bytes alive at once."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        owner = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                owner._track(out, args, kwargs)
+                return out
+
+        self.mode = Mode()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def _drop(self, key):
+        entry = self.live[key]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.now -= entry[0]
+            del self.live[key]
+
+    def _track(self, out, args, kwargs):
+        import weakref
+
+        from torch.utils._pytree import tree_flatten
+
+        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key = t.untyped_storage().data_ptr()
+            if key not in self.live:
+                if key in inputs:
+                    continue  # a view of (or written into) a tensor made outside
+                self.live[key] = [t.untyped_storage().nbytes(), 0]
+                self.now += self.live[key][0]
+                self.peak = max(self.peak, self.now)
+            self.live[key][1] += 1
+            weakref.finalize(t, self._drop, key)
+
+    def __enter__(self):
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self.mode.__exit__(*exc)
+
+
+def _rope_plain(x, freqs):
+    """The rotation as one expression (the formula before issue 31): the numbers to keep."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = pairs[..., 0], pairs[..., 1]
+    cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_apply_rope_live_bytes_are_bounded_and_bits_kept(dtype):
+    """At S = 8192 one rotation holds at most 3 units of (B, S, heads, head_dim/2) fp32 alive, its result
+    included (the plain expression: 6), and gives the plain expression's bits."""
+    g = torch.Generator().manual_seed(4)
+    pos = rope_position_ids((8, 32, 32), 0)
+    freqs = rope_frequencies(pos, [16, 24, 24], 256.0)
+    seq, heads, hd = pos.shape[0], 2, 64
+    assert seq == 8192
+    x = (torch.randn(1, seq, heads, hd, generator=g) * 3).to(dtype)
+    unit = seq * heads * hd // 2 * 4
+    with torch.no_grad(), LiveBytes() as plain:
+        _rope_plain(x, freqs)
+    with torch.no_grad(), LiveBytes() as live:
+        got = apply_rope(x, freqs)
+    assert plain.peak >= 4 * unit  # the probe sees the plain expression's temporaries
+    assert live.peak <= 3 * unit
+    assert got.dtype == dtype and torch.equal(got, _rope_plain(x, freqs))
+    # a non-contiguous input (a view, as q out of a fused projection would be) and a partial last chunk
+    wide = (torch.randn(1, 5000, heads, 2 * hd, generator=g) * 3).to(dtype)[..., :hd]
+    f2 = rope_frequencies(rope_position_ids((5, 25, 40), 0), [16, 24, 24], 256.0)
+    assert torch.equal(apply_rope(wide, f2), _rope_plain(wide, f2))

@@ -8,24 +8,26 @@ offload mode carries the quantized size (offload ``block`` copies a Q4_K block a
 its bf16 size), and :func:`dequantize` forms the real weight on the device where the layer computes,
 for one call only.
 
-The block formulas are diffusers' torch ports (``diffusers.quantizers.gguf.utils``), evaluated in fp32:
-with fp32 arithmetic they give gguf-py's numpy ``gguf.quants.dequantize`` bit for bit for every type
-listed in :data:`QUANTIZED_TYPES` (tests/test_gguf_weights.py checks each one against it). The result is
-cast to the compute dtype afterwards, so a bf16 weight is the correctly rounded bf16 of the exact value.
+The block kernels are written here from the GGML block layouts and evaluated in fp32 in the order of
+gguf-py's numpy ``gguf.quants.dequantize``, which they match bit for bit for every type listed in
+:data:`QUANTIZED_TYPE_NAMES` (tests/test_gguf_weights.py checks each one against it). They never build a
+tensor from Python values on the device (on CUDA a pageable copy that synchronises the host, in every call):
+their few shift vectors are made once per device and cached. The result is cast to the compute dtype
+afterwards, so a bf16 weight is the correctly rounded bf16 of the exact value.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, Optional
 
 import torch
 
 # Only these formats are accepted in a DiT file; every other GGML type is refused by name.
 QUANTIZED_TYPE_NAMES = ("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q3_K", "Q2_K", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 PLAIN_TYPE_NAMES = ("F32", "F16", "BF16")
-# fp32 elements dequantized at a time for a large tensor (bounds the fp32 temporary to 64 MiB when the
-# weight is wanted in bf16).
-_CHUNK_ELEMENTS = 1 << 24
+# fp32 elements dequantized at a time for a large tensor (bounds the fp32 temporary to 256 MiB when the
+# weight is wanted in bf16; a full-width 30B-A3B expert stack, 128 x 768 x 2048, takes 3 chunks).
+_CHUNK_ELEMENTS = 1 << 26
 
 
 def _gguf():
@@ -71,11 +73,147 @@ def raw_nbytes(shape, qtype) -> int:
     return n // block * size
 
 
-def _kernels():
-    """GGML type -> torch block kernel (diffusers' ports; see the module docstring)."""
-    from diffusers.quantizers.gguf import utils
+# -- block kernels (written from the GGML block layouts; fp32 arithmetic in gguf-py's order) --------
+#
+# Each takes the blocks as a (n, bytes per block) uint8 tensor and returns (n, elements per block) fp32.
+# No kernel builds a tensor from Python values on the device (a pageable host-to-device copy that
+# synchronises the host on CUDA): the few shift vectors come from :func:`_shifts`, made once per device
+# with ``arange`` and cached.
 
-    return utils.dequantize_functions
+_SHIFTS: Dict[tuple, torch.Tensor] = {}
+
+
+def _shifts(device: torch.device, step: int, count: int) -> torch.Tensor:
+    """``[0, step, 2 * step, ...]`` (``count`` values) as uint8 on ``device``, shaped to broadcast over the
+    last-but-one dimension; made once per device and kept."""
+    key = (str(device), step, count)
+    t = _SHIFTS.get(key)
+    if t is None:
+        t = (torch.arange(count, device=device, dtype=torch.uint8) * step).reshape(count, 1)
+        _SHIFTS[key] = t
+    return t
+
+
+def _f16(blocks: torch.Tensor, lo: int) -> torch.Tensor:
+    """The fp16 field at byte ``lo`` of each block, as fp32 of shape (n, 1)."""
+    return blocks[:, lo:lo + 2].contiguous().view(torch.float16).float()
+
+
+def _fields(packed: torch.Tensor, step: int, count: int) -> torch.Tensor:
+    """Bit fields of ``packed`` (n, ..., m) uint8: (n, ..., count, m) holding ``(packed >> k * step) & mask``."""
+    mask = (1 << step) - 1
+    return (packed.unsqueeze(-2) >> _shifts(packed.device, step, count)) & mask
+
+
+def _q8_0(blocks):
+    d = _f16(blocks, 0)
+    return d * blocks[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """(n, 16) bytes -> (n, 32): the low nibbles (elements 0-15), then the high ones (16-31)."""
+    return _fields(qs, 4, 2).reshape(qs.shape[0], -1)
+
+
+def _q4_0(blocks):
+    d = _f16(blocks, 0)
+    return d * (_nibbles(blocks[:, 2:]).to(torch.int8) - 8).float()
+
+
+def _q4_1(blocks):
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    return d * _nibbles(blocks[:, 4:]).float() + m
+
+
+def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
+    """(n, 4) bytes of a 32-bit mask -> (n, 32): bit j of the little-endian word, for element j."""
+    return _fields(qh, 1, 8).transpose(-1, -2).reshape(qh.shape[0], 32)
+
+
+def _q5_0(blocks):
+    d = _f16(blocks, 0)
+    q = _nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return d * (q.to(torch.int8) - 16).float()
+
+
+def _q5_1(blocks):
+    d, m = _f16(blocks, 0), _f16(blocks, 2)
+    q = _nibbles(blocks[:, 8:]) | (_fifth_bits(blocks[:, 4:8]) << 4)
+    return d * q.float() + m
+
+
+def _k_scales(s: torch.Tensor):
+    """The 8 six-bit scales and 8 mins of a Q4_K / Q5_K block from its 12 scale bytes, as fp32 (n, 8)."""
+    lo, mid, hi = s[:, 0:4], s[:, 4:8], s[:, 8:12]
+    sc = torch.cat([lo & 63, (hi & 15) | ((lo >> 6) << 4)], dim=1)
+    mn = torch.cat([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], dim=1)
+    return sc.float(), mn.float()
+
+
+def _q4_k(blocks):
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scales(blocks[:, 4:16])
+    d = (d * sc).reshape(n, 8, 1)
+    dm = (dmin * mn).reshape(n, 8, 1)
+    q = _fields(blocks[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)  # sub-block 2c + t
+    return (d * q.float() - dm).reshape(n, 256)
+
+
+def _q5_k(blocks):
+    n = blocks.shape[0]
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    sc, mn = _k_scales(blocks[:, 4:16])
+    d = (d * sc).reshape(n, 8, 1)
+    dm = (dmin * mn).reshape(n, 8, 1)
+    ql = _fields(blocks[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
+    qh = _fields(blocks[:, 16:48], 1, 8)  # (n, 8, 32): bit 2c + t of qh[l]
+    q = ql | (qh << 4)
+    return (d * q.float() - dm).reshape(n, 256)
+
+
+def _q6_k(blocks):
+    n = blocks.shape[0]
+    ql = blocks[:, 0:128].reshape(n, 2, 2, 32)  # (half, k % 2, l)
+    qh = blocks[:, 128:192].reshape(n, 2, 32)  # (half, l)
+    scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # (n, 16)
+    d = _f16(blocks, 208)
+    low = _fields(ql, 4, 2)  # (n, half, k % 2, k // 2, l)
+    low = low.transpose(2, 3).reshape(n, 2, 4, 32)  # k = 2 * (k // 2) + k % 2
+    high = _fields(qh, 2, 4)  # (n, half, k, l)
+    q = ((low | (high << 4)).to(torch.int8) - 32).float().reshape(n, 16, 16)  # sub-block = half * 8 + 2k + l // 16
+    return ((d * scales).reshape(n, 16, 1) * q).reshape(n, 256)
+
+
+def _q2_k(blocks):
+    n = blocks.shape[0]
+    s = blocks[:, 0:16]
+    d, dmin = _f16(blocks, 80), _f16(blocks, 82)
+    dl = (d * (s & 15).float()).reshape(n, 16, 1)
+    ml = (dmin * (s >> 4).float()).reshape(n, 16, 1)
+    q = _fields(blocks[:, 16:80].reshape(n, 2, 32), 2, 4)  # (n, half, shift j, l)
+    q = q.reshape(n, 16, 16).float()  # sub-block = half * 8 + 2j + l // 16
+    return (dl * q - ml).reshape(n, 256)
+
+
+def _q3_k(blocks):
+    n = blocks.shape[0]
+    hmask = blocks[:, 0:32]
+    qs = blocks[:, 32:96].reshape(n, 2, 32)
+    s = blocks[:, 96:108]
+    d = _f16(blocks, 108)
+    low4 = torch.cat([s[:, 0:8] & 15, s[:, 0:8] >> 4], dim=1)  # (n, 16)
+    top2 = _fields(s[:, 8:12], 2, 4).reshape(n, 16)  # scale i: bits 2 * (i // 4) of byte 8 + i % 4
+    scales = ((low4 | (top2 << 4)).to(torch.int8) - 32).float()
+    dl = (d * scales).reshape(n, 16, 1)
+    q = _fields(qs, 2, 4).to(torch.int8)  # (n, half, j, l)
+    hbit = _fields(hmask, 1, 8).reshape(n, 2, 4, 32).to(torch.int8)  # bit 4 * half + j of hmask[l]
+    q = (q - 4 * (1 - hbit)).float().reshape(n, 16, 16)
+    return (dl * q).reshape(n, 256)
+
+
+_BLOCK_KERNELS = {"Q8_0": _q8_0, "Q4_0": _q4_0, "Q4_1": _q4_1, "Q5_0": _q5_0, "Q5_1": _q5_1,
+                  "Q2_K": _q2_k, "Q3_K": _q3_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
 
 
 def _plain(raw: torch.Tensor, name: str) -> torch.Tensor:
@@ -91,9 +229,8 @@ def _dequantize_flat(raw: torch.Tensor, qtype) -> torch.Tensor:
     qtype = qtype_of(qtype)
     if qtype.name in PLAIN_TYPE_NAMES:
         return _plain(raw, qtype.name)
-    block, size = block_sizes(qtype)
-    blocks = raw.reshape(-1, size)
-    return _kernels()[qtype](blocks, block, size, torch.float32).reshape(-1)
+    _, size = block_sizes(qtype)
+    return _BLOCK_KERNELS[qtype.name](raw.reshape(-1, size)).reshape(-1)
 
 
 def dequantize(raw: torch.Tensor, qtype, dtype: torch.dtype = torch.float32,

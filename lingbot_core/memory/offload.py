@@ -7,7 +7,8 @@ predecessor; evicting drops the device copy and points the module back at the CP
 left, so nothing is ever copied device-to-host. ``sequential`` streams each module's weights in its
 own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a
 child's tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert
-weights). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
+weights); its VAE is placed as under ``model`` (its decoder runs once per latent frame of every
+tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
 and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
 every other block is copied in just before it runs while the next one is prefetched, through a fixed
 ring of two device buffers and two exact-size pinned staging buffers (:class:`BlockRing`) that a
@@ -24,7 +25,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 from torch import nn
@@ -177,7 +178,13 @@ class Offloader:
         else:
             for name, module in self.components.items():
                 module.to("cpu")
-                self._stream_layers(name, module, device(name))
+                if name == "vae":
+                    # Placed as under model: the decoder runs once per latent frame of every tile, and
+                    # streaming its weights for each call copies ~150 GB per 1080p x 121 decode for a
+                    # 0.5 GB VAE (gpu-review-3 finding 8). The VAE fits where the DiT's blocks do.
+                    self._chain_hook(module, device(name), None)
+                else:
+                    self._stream_layers(name, module, device(name))
 
     def _chain_hook(self, module: nn.Module, device: torch.device, prev) -> UserCpuOffloadHook:
         """accelerate's ``cpu_offload_with_hook`` with :class:`HomeOffload` instead of ``CpuOffload``."""
@@ -198,6 +205,15 @@ class Offloader:
         for hook in _hooks(transformer) if transformer is not None else ():
             if isinstance(hook, BlockStreamer):
                 hook.forwards_left = n
+
+    def set_interrupt(self, check: Optional[Callable[[], None]]) -> None:
+        """``check()`` (it raises to cancel, e.g. ComfyUI's interrupt) runs before each streamed DiT block of
+        the running stage under offload ``block``: a long step is cancelled between blocks, not only between
+        steps. The copies in flight are drained before the exception leaves; the stage's reset clears it."""
+        transformer = self.components.get("transformer")
+        for hook in _hooks(transformer) if transformer is not None else ():
+            if isinstance(hook, BlockStreamer):
+                hook.interrupt = check
 
     def remove_hooks(self) -> None:
         """Detach every hook; sequential weights are restored to their CPU tensors by accelerate."""
@@ -230,11 +246,12 @@ class Offloader:
         model: offload every component of the chain (a full reset of the chain's state).
         block: the same for the VAE, and every DiT block and the DiT's other weights; the text encoder
         as under sequential.
-        sequential: put back on ``meta`` any weights that a forward which raised left materialised.
+        sequential: offload the VAE (placed as under model); put back on ``meta`` any weights that a
+        forward which raised left materialised.
         none: nothing to do.
         """
         dirty = False
-        if self.mode in ("model", "block"):
+        if self._chain:  # model's chain, block's and sequential's VAE
             for hook in self._chain:
                 hook.offload()
             transformer = self.components.get("transformer")
@@ -486,12 +503,22 @@ class _DeviceSlot:
 
     def settle(self, reraise: bool) -> None:
         """Wait for the staging job filling this buffer, if any: its failure is re-raised for a block about
-        to run (``reraise``), dropped for a prefetch nothing will use."""
-        job, self.pending = self.pending, None
-        if job is not None and reraise:
-            job.result()
-        elif job is not None:
-            job.exception()
+        to run (``reraise``), dropped for a prefetch nothing will use.
+
+        The job is forgotten only once it has finished: an exception raised *into* the wait (Ctrl-C on
+        the CLI's main thread) leaves it pending, so the stage's :meth:`BlockRing.drain` still waits for
+        it before the buffer is dropped (its late copy would otherwise land in freed memory)."""
+        job = self.pending
+        if job is None:
+            return
+        try:
+            if reraise:
+                job.result()
+            else:
+                job.exception()
+        finally:
+            if job.done():
+                self.pending = None
 
 
 class _HostSlot:
@@ -532,8 +559,8 @@ class BlockRing:
         self.running: Optional[StreamUnit] = None  # the block computing now: its buffer is never taken
         self.streams = None  # the CudaStreams of the last asynchronous load
         # What the ring did (bench/ring_probe.py reports it): host seconds spent filling staging buffers,
-        # bytes and blocks copied to the device.
-        self.stats = {"host_copy_s": 0.0, "bytes": 0, "copies": 0}
+        # bytes and blocks copied to the device, seconds the compute thread waited for staging jobs.
+        self.stats = {"host_copy_s": 0.0, "bytes": 0, "copies": 0, "compute_wait_s": 0.0}
         self._worker: Optional[ThreadPoolExecutor] = None
         self._next_device = 0
         self._next_host = 0
@@ -586,15 +613,26 @@ class BlockRing:
 
     def wait(self, slot: _DeviceSlot) -> None:
         """Compute may read ``slot`` once its staging job has run (host) and its copy has landed (GPU)."""
-        slot.settle(reraise=True)  # a failed staging job fails the stage here
+        t0 = time.perf_counter()
+        try:
+            slot.settle(reraise=True)  # a failed staging job fails the stage here
+        finally:
+            # The compute thread's wait on the staging thread: a host wait no sync-debug mode reports.
+            self.stats["compute_wait_s"] += time.perf_counter() - t0
         if slot.ready is not None:
             self.streams.compute_waits(slot.ready)
             slot.ready = None
 
     def drain(self) -> None:
-        """Wait for every staging job and every copy on the side stream (a stage's end)."""
+        """Wait for every staging job and every copy on the side stream (a stage's end).
+
+        A barrier: besides each buffer's own job, a no-op is run through the single staging thread, so every
+        job submitted before it has queued its copy (also one whose handle was lost), and only then is the
+        side stream synchronised."""
         for slot in self.device_slots:
             slot.settle(reraise=False)
+        if self._worker is not None:
+            self._worker.submit(_barrier).result()
         if self.streams is not None:
             self.streams.synchronize()
 
@@ -632,6 +670,10 @@ class BlockRing:
             host.pinned.free()
         self.host_slots = []
         self._next_host = 0
+
+
+def _barrier() -> None:
+    """A staging-thread job that does nothing: once it has run, every job submitted before it has."""
 
 
 def _fill(ring: BlockRing, unit: StreamUnit, staging: torch.Tensor) -> None:
@@ -685,6 +727,9 @@ class BlockStreamer(ModelHook):
         self.ring: Optional[BlockRing] = None
         self.streams = None
         self.forwards_left: Optional[int] = None  # DiT forwards the stage still makes (None: unknown)
+        # Called before each streamed block (the host's cancel check, e.g. ComfyUI's interrupt): it raises to
+        # stop the stage. Set per stage (Offloader.set_interrupt), cleared at every reset.
+        self.interrupt: Optional[Callable[[], None]] = None
 
     def init_hook(self, module):
         blocks = list(module.blocks)
@@ -719,6 +764,13 @@ class BlockStreamer(ModelHook):
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
     def before_block(self, j: int) -> None:
+        if self.interrupt is not None:
+            try:
+                self.interrupt()
+            except BaseException:
+                if self.ring is not None:  # no copy may still be landing when the stage drops the buffers
+                    self.ring.drain()
+                raise
         unit = self.streamed[j]
         unit.onload(self.execution_device, self._streams())  # no-op when prefetched
         unit.wait()
@@ -740,6 +792,7 @@ class BlockStreamer(ModelHook):
             if unit is not None:
                 unit.offload()
         self.forwards_left = None
+        self.interrupt = None
         if self.ring is not None:
             self.ring.running = None
             self.ring.release_device()

@@ -11,12 +11,19 @@ can be tested without a GPU.
 - **fp8 weights** are computed in the dtype ``auto`` gives the DiT on that device: bf16 on sm80+ (the released
   weights' precision), fp16 below sm80 (in bf16 SDPA would take the O(S^2) math kernel there), and bf16 on a
   CPU (the precision of the released weights; fp8 on a CPU is for tests and comparisons).
-- **grouped matmul.** The MoE experts run as one ``torch._grouped_mm`` per weight stack wherever the
-  installed torch runs it in bf16 on the device: with its CUTLASS kernel on sm90/sm100 (offsets read on
-  the device: no host sync), and with torch's fallback elsewhere (one matmul per expert from C++, which
-  replaces the pack's Python loop of about 8 launches per expert; torch reads the offsets on the host
-  there). Whether it runs is probed once per device. On a CPU the pack's per-expert loop stays: there it
-  was faster than torch's grouped kernel (docs/benchmarks.md), and a host sync costs nothing.
+- **grouped matmul.** The MoE experts run as one ``torch._grouped_mm`` per weight stack where the
+  installed torch runs it in bf16 on the device (probed once per device), with two limits
+  (:func:`grouped_dispatch`): a width (hidden size or expert width) not a multiple of 8 takes the loop
+  (torch's 16-byte stride rule would raise), and off torch's native kernel (its fallback reads the offsets
+  on the host and launches one matmul per expert, three times per 8,192-token chunk) the loop is used above
+  :data:`FALLBACK_GROUPED_MAX_TOKENS` tokens, where the loop's one sync and fewer launches win (gpu-review-3
+  finding 6; unmeasured on sm80/89). Whether the kernel is native is probed on each CUDA device: one grouped
+  call that makes no host sync (``torch.cuda.set_sync_debug_mode``); for a capability asked about without
+  its device, torch's architecture list (sm90/sm100) stands in. On a CPU the pack's per-expert loop stays:
+  there it was faster than torch's grouped kernel (docs/benchmarks.md), and a host sync costs nothing.
+- **sm70/75 experts** run with bf16 operands like everywhere else (the reference's numbers); those GPUs
+  have no bf16 tensor cores, so the MoE experts are slow there. fp16 operands are not used: unmeasured
+  against the fidelity bounds (gpu-review-3 finding 12).
 """
 
 from __future__ import annotations
@@ -67,13 +74,66 @@ def fp8_compute_dtype(device: torch.device, capability: Optional[Capability] = N
     return auto_dtypes(device, capability, log=False)["transformer"]
 
 
+# Tokens above which torch's fallback grouped kernel (host-read offsets, one matmul per expert) loses to
+# the per-expert loop: the grouped path's chunk (transformer.GROUPED_CHUNK_TOKENS), one pass of three calls.
+FALLBACK_GROUPED_MAX_TOKENS = 8192
+# Whether torch._grouped_mm made no host sync on a device (its native kernel): one entry per CUDA device.
+_GROUPED_NATIVE: Dict[torch.device, bool] = {}
+
+
 def grouped_mm_fast(device: torch.device, capability: Optional[Capability] = None) -> bool:
-    """Whether ``torch._grouped_mm`` has its native bf16 kernel on ``device`` (no host sync)."""
+    """Whether ``torch._grouped_mm`` has its native bf16 kernel on ``device`` (no host sync): probed on this
+    machine's CUDA device; for a ``capability`` asked about, torch's architecture list."""
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
+    if capability is None and torch.cuda.is_available():
+        if device not in _GROUPED_NATIVE:
+            _GROUPED_NATIVE[device] = _grouped_mm_sync_free(device)
+        return _GROUPED_NATIVE[device]
     capability = capability if capability is not None else cuda_capability(device)
     return capability is not None and capability[0] in GROUPED_MM_MAJORS
+
+
+def grouped_dispatch(tokens: int, dim: int, hidden: int, *, supported: bool, native: bool) -> bool:
+    """Whether a MoE layer call of ``tokens`` tokens (model width ``dim``, expert width ``hidden``) runs the
+    grouped path: where it runs at all, both widths are multiples of 8 (16-byte strides in bf16), and off
+    the native kernel only up to :data:`FALLBACK_GROUPED_MAX_TOKENS` tokens (see the module doc)."""
+    if not supported or dim % 8 or hidden % 8:
+        return False
+    return native or tokens <= FALLBACK_GROUPED_MAX_TOKENS
+
+
+def use_grouped_mm(device: torch.device, tokens: int, dim: int, hidden: int,
+                   capability: Optional[Capability] = None) -> bool:
+    """:func:`grouped_dispatch` for ``device`` (its probes, or a ``capability`` asked about)."""
+    supported = grouped_mm_supported(device, capability)
+    return grouped_dispatch(tokens, dim, hidden, supported=supported,
+                            native=supported and grouped_mm_fast(device, capability))
+
+
+def _grouped_mm_sync_free(device: torch.device) -> bool:
+    """One small grouped call on ``device``: True when it ran and made no host synchronisation."""
+    import warnings
+
+    try:
+        x = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
+        w = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
+        offs = torch.arange(1, 3, dtype=torch.int32, device=device) * 8
+        torch.cuda.synchronize(device)
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                torch._grouped_mm(x, w, offs=offs)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001 -- no native kernel known: the fallback rules apply
+        logger.info("torch._grouped_mm probe on %s failed (%s): treated as torch's fallback kernel.", device, e)
+        return False
+    return not any("synchroniz" in str(w.message) for w in caught)
 
 
 # Whether torch._grouped_mm ran in bf16 on a device: one entry per CUDA device probed (bounded by the

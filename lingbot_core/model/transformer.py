@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Optional, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +27,7 @@ from diffusers.models.modeling_utils import ModelMixin
 
 from ..files import gguf_weights
 from ..files.fp8 import FP8_COMPUTE_DTYPE, dequantize, is_fp8
-from .precision import grouped_mm_supported
+from .precision import use_grouped_mm
 
 # A tensor stays fp32 when any dot-separated part of its name is one of these.
 FP32_ISLANDS = frozenset(
@@ -182,13 +183,48 @@ def rope_frequencies(positions: torch.Tensor, axes_dims: Sequence[int], theta: f
     return torch.cat(tables, dim=1)
 
 
+# Tokens rotated at a time for a non-fp32 input: its fp32 pairs exist for one chunk only.
+ROPE_CHUNK_TOKENS = 4096
+
+
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Interleaved-pair rotation of (B, S, heads, head_dim) by the (cos, sin) table (S, head_dim/2, 2),
-    in fp32: the pair (a, b) becomes (a cos - b sin, a sin + b cos), the complex product."""
-    pairs = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = pairs[..., 0], pairs[..., 1]
+    in fp32: the pair (a, b) becomes (a cos - b sin, a sin + b cos), the complex product.
+
+    Eagerly the products are written into the output (fp32 input) or into an fp32 chunk of
+    :data:`ROPE_CHUNK_TOKENS` tokens cast into it (bf16/fp16 input), with one temporary: at most about 3
+    units of (B, S, heads, head_dim/2) fp32 are alive, against 6 for the plain expression (6 GB per call
+    at the refiner's 253k tokens). Every operation and rounding is the plain expression's, so the bits are
+    too; compiled, the plain expression is traced and fused."""
     cos, sin = freqs[None, :, None, :, 0], freqs[None, :, None, :, 1]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+    if torch.compiler.is_compiling():
+        pairs = x.float().reshape(*x.shape[:-1], -1, 2)
+        a, b = pairs[..., 0], pairs[..., 1]
+        return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    seq = x.shape[1]
+    step = seq if x.dtype == torch.float32 else ROPE_CHUNK_TOKENS
+    for lo in range(0, seq, step):
+        hi = min(seq, lo + step)
+        pairs = x[:, lo:hi].reshape(*x.shape[:1], hi - lo, *x.shape[2:-1], -1, 2)
+        a, b = pairs[..., 0], pairs[..., 1]  # in x's dtype: each product promotes it to fp32 exactly
+        c, s = cos[:, lo:hi], sin[:, lo:hi]
+        if x.dtype == torch.float32:
+            rotated = out.view(pairs.shape)
+        else:
+            rotated = torch.empty(pairs.shape, dtype=torch.float32, device=x.device)
+        re, im = rotated[..., 0], rotated[..., 1]
+        torch.mul(a, c, out=re)
+        tmp = torch.mul(b, s)
+        re.sub_(tmp)  # a cos - b sin
+        torch.mul(a, s, out=im)
+        torch.mul(b, c, out=tmp)
+        im.add_(tmp)  # a sin + b cos
+        del tmp
+        if x.dtype != torch.float32:
+            out[:, lo:hi] = rotated.flatten(-2)  # rounded as .to(dtype) rounds
+        del rotated, re, im  # before the next chunk's are made
+    return out
 
 
 def timestep_projection(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
@@ -284,17 +320,40 @@ class Experts(nn.Module):
         for name in ("w1", "w2", "w3"):
             self.register_buffer(f"scale_{name}", None)
         self.qtypes = {}
+        self._held: Optional[dict] = None  # dtype -> stacks, while a block call holds them (holding_stacks)
 
     def stacks(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(w1, w3, w2)`` in ``dtype``, each whole stack converted once (bf16 stacks are returned as they
         are). fp8 stacks cost one cast and one in-place scale per stack, whatever the number of experts;
-        the price is one block's expert weights in bf16 while the layer runs."""
-        return tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
-                     else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
+        the price is one block's expert weights in bf16 while the layer runs. Inside :meth:`holding_stacks`
+        the converted stacks are kept and returned again."""
+        held = self._held
+        if held is not None and dtype in held:
+            return held[dtype]
+        out = tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
+                    else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
+        if held is not None:
+            held[dtype] = out
+        return out
+
+    @contextmanager
+    def holding_stacks(self) -> Iterator[None]:
+        """Within: stacks that need converting (GGUF or fp8) are converted once and kept, so the CFG branches
+        of one lockstep block call share them (one dequantization per stack per block call, not per branch);
+        dropped on exit. Costs nothing extra at the peak: a branch holds them while its experts run anyway."""
+        if not (self.qtypes or any(getattr(self, f"scale_{n}") is not None for n in ("w1", "w2", "w3"))):
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return grouped_mm_supported(x.device)
+def _use_grouped_mm(x: torch.Tensor, hidden: int) -> bool:
+    """The dispatch for tokens ``x`` (N, D) and experts of width ``hidden`` (``precision.use_grouped_mm``)."""
+    return use_grouped_mm(x.device, x.shape[0], x.shape[-1], hidden)
 
 
 # Tokens per ``torch._grouped_mm`` pass: bounds the gathered (token, expert) rows to 8 x 8192 rows at a time.
@@ -322,15 +381,16 @@ def run_experts(x: torch.Tensor, ids: torch.Tensor, gates: torch.Tensor, experts
     over ``ids == e``, hence the same bits. This per-expert loop needs the slice sizes on the host: one
     host sync per call (the one ``tolist``).
 
-    ``grouped`` (the default wherever ``torch._grouped_mm`` runs on the device, see
-    ``precision.grouped_mm_supported``) runs the experts as one ``torch._grouped_mm`` per weight stack,
+    ``grouped`` (the default wherever ``torch._grouped_mm`` runs on the device, within the limits of
+    ``precision.grouped_dispatch``: widths divisible by 8, and off torch's native kernel at most
+    ``precision.FALLBACK_GROUPED_MAX_TOKENS`` tokens) runs the experts as one ``torch._grouped_mm`` per weight stack,
     in chunks of :data:`GROUPED_CHUNK_TOKENS` tokens, with the offsets kept on the device (no host sync
     in this function), and then adds each token's k contributions in ascending expert id, starting from
     zero: the same bits again where the grouped kernel computes each row as a matmul would (checked on
     CPU; scripts/gpu-check compares on CUDA).
     """
     if grouped is None:
-        grouped = _use_grouped_mm(x)
+        grouped = _use_grouped_mm(x, experts.w1.shape[1])
     w1, w3, w2 = experts.stacks(x.dtype)
     if grouped:
         return _run_experts_grouped(x, ids, gates, w1, w3, w2)
@@ -461,7 +521,9 @@ class TransformerBlock(nn.Module):
         for h, f in zip(x, freqs):  # the sequence length changes with the prompt: no recompile for it
             torch._dynamo.maybe_mark_dynamic(h, 1)
             torch._dynamo.maybe_mark_dynamic(f, 0)
-        return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
+        shared = len(x) > 1 and isinstance(self.ffn, MoEFeedForward)
+        with self.ffn.experts.holding_stacks() if shared else nullcontext():  # the branches share the stacks
+            return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
 
 
 def _moe_ffn(ffn: nn.Module, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
