@@ -150,22 +150,23 @@ def _k_scales(s: torch.Tensor):
     return sc.float(), mn.float()
 
 
-def _q4_k(blocks):
-    n = blocks.shape[0]
+def _k_scaled(blocks, n: int):
+    """(d x scale, dmin x min) of the 8 sub-blocks of a Q4_K / Q5_K block, each (n, 8, 1)."""
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, mn = _k_scales(blocks[:, 4:16])
-    d = (d * sc).reshape(n, 8, 1)
-    dm = (dmin * mn).reshape(n, 8, 1)
+    return (d * sc).reshape(n, 8, 1), (dmin * mn).reshape(n, 8, 1)
+
+
+def _q4_k(blocks):
+    n = blocks.shape[0]
+    d, dm = _k_scaled(blocks, n)
     q = _fields(blocks[:, 16:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)  # sub-block 2c + t
     return (d * q.float() - dm).reshape(n, 256)
 
 
 def _q5_k(blocks):
     n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, mn = _k_scales(blocks[:, 4:16])
-    d = (d * sc).reshape(n, 8, 1)
-    dm = (dmin * mn).reshape(n, 8, 1)
+    d, dm = _k_scaled(blocks, n)
     ql = _fields(blocks[:, 48:].reshape(n, 4, 32), 4, 2).reshape(n, 8, 32)
     qh = _fields(blocks[:, 16:48], 1, 8)  # (n, 8, 32): bit 2c + t of qh[l]
     q = ql | (qh << 4)
