@@ -13,7 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .context_windows import ContextWindows, blend_weights
+from .context_windows import ContextWindows
 from .scheduling import make_sampler, model_timestep
 from .step_cache import StepCache
 
@@ -69,7 +69,8 @@ def sample(
 
     length = x.shape[2]
     spans = [(0, length)] if windows is None else windows.spans(length)
-    weights = blend_weights(spans, length) if len(spans) > 1 else None
+    # on the execution device once, not per step and window
+    weights = None if len(spans) == 1 else [w.to(x.device).view(1, 1, -1, 1, 1) for w in windows.weights(length)]
     per_window = 2 if do_cfg else 1
 
     def caches(window, *branches):
@@ -95,7 +96,7 @@ def sample(
         else:
             v = torch.zeros_like(x)
             for k, ((start, end), w) in enumerate(zip(spans, weights)):
-                v[:, :, start:end] += guided(x[:, :, start:end], t_model, k) * w.to(x.device).view(1, 1, -1, 1, 1)
+                v[:, :, start:end] += guided(x[:, :, start:end], t_model, k) * w
         x0 = x - scheduler.sigmas[i].item() * v
         x = scheduler.step(v, t, x).prev_sample
         if condition_latent is not None:
