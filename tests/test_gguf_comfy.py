@@ -91,15 +91,7 @@ def test_the_gguf_example_runs_from_the_three_files_alone(server):
     assert (p["model"], p["text_encoder_file"], p["vae_file"]) == (
         "(none: the three files)", "qwen3vl_4b_bf16.safetensors", "wan_2.1_vae.safetensors")
     patch_nodes(api, "LoadLingbotPipelineFiles", dit_file=FILES_GGUF)
-    patch_nodes(api, "LoadLingbotLoRA", lora_name=FILES_LORA)
-    patch_nodes(api, "GenerateVideo", width=W, height=H, num_frames=FRAMES)
-    for sid in nodes_of(api, "SaveVideo"):
-        api[sid]["inputs"]["filename_prefix"] = f"test_three_files_{sid}"
-    entry = server.run(api, timeout=600)
-    (sid,) = nodes_of(api, "SaveVideo")
-    (path,) = node_files(server, entry, sid)
-    frames, rate = decode_video(path)
-    assert frames.shape == (FRAMES, H, W, 3) and rate == 24 and frames.std() > 1.0
+    run_tiny_four_step_example(server, api, "three_files", lora=FILES_LORA)
 
 
 def test_none_with_a_file_left_from_the_package_names_the_widget(server):

@@ -57,10 +57,10 @@ def test_four_step_example_loads_with_no_missing_node_and_runs_on_the_tiny_moe(s
     run_tiny_four_step_example(server, api, EXAMPLE)
 
 
-def run_tiny_four_step_example(server, api: dict, name: str) -> None:
-    """Run a four-step LoRA example (its loader already patched to a tiny model) with the tiny LoRA at
+def run_tiny_four_step_example(server, api: dict, name: str, lora: str = TINY_LORA) -> None:
+    """Run a four-step LoRA example (its loader already patched to a tiny model) with a tiny LoRA at
     the fixture's size, and check the video it saves."""
-    patch_nodes(api, "LoadLingbotLoRA", lora_name=TINY_LORA)
+    patch_nodes(api, "LoadLingbotLoRA", lora_name=lora)
     patch_nodes(api, "GenerateVideo", width=W, height=H, num_frames=FRAMES)
     for sid in nodes_of(api, "SaveVideo"):
         api[sid]["inputs"]["filename_prefix"] = f"test_{name}_{sid}"

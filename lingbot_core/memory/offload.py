@@ -8,8 +8,8 @@ left, so nothing is ever copied device-to-host. ``sequential`` streams each modu
 own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a
 child's tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert
 weights); its VAE is placed as under ``model`` (its decoder runs once per latent frame of every
-tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` streams the text encoder as ``sequential`` does, places the VAE as ``model`` does
-and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
+tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` streams the
+text encoder as ``sequential`` does, places the VAE as ``model`` does and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
 every other block is copied in just before it runs while the next one is prefetched, through a fixed
 ring of two device buffers and two exact-size pinned staging buffers (:class:`BlockRing`) that a
 staging thread fills while the GPU computes.
