@@ -7,7 +7,7 @@ import pytest
 
 from test_lora import lightx2v_lora
 from test_lora_comfy import TINY_LORA, run_tiny_four_step_example
-from test_nodes_comfy import FRAMES, H, MOE, W, decode_video, example_as_api, node_files, nodes_of, patch_nodes
+from test_nodes_comfy import MOE, example_as_api, nodes_of, patch_nodes
 
 pytestmark = pytest.mark.comfy
 gguf = pytest.importorskip("gguf")

@@ -155,15 +155,20 @@ def test_a_workflow_cannot_send_a_key_anywhere_but_its_configured_server(servers
     assert secret_free(attacker)
 
 
-def test_a_dripping_server_ends_at_the_timeout_and_cancel_ends_it_at_once(servers, record_property):
-    comfy, home, _ = servers
-    home.scripts.append(Script(drip="poll"))
+def run_with_timeout_5(comfy, home, drip: str, record_property, figure: str):
+    """Queue a Remote Generate with timeout=5 against a server that drips at ``drip``; (its error, seconds)."""
+    home.scripts.append(Script(drip=drip))
     start = time.monotonic()
     entry = comfy.run(graph(timeout=5), timeout=60, check=False)
     elapsed = time.monotonic() - start
-    record_property("drip_timeout5_s", round(elapsed, 2))
-    print(f"\ndrip with timeout=5: the prompt ended after {elapsed:.2f} s")
-    err = execution_error(entry)
+    record_property(figure, round(elapsed, 2))
+    print(f"\n{figure}: the prompt ended after {elapsed:.2f} s")
+    return execution_error(entry), elapsed
+
+
+def test_a_dripping_server_ends_at_the_timeout_and_cancel_ends_it_at_once(servers, record_property):
+    comfy, home, _ = servers
+    err, elapsed = run_with_timeout_5(comfy, home, "poll", record_property, "drip_timeout5_s")
     assert err["_event"] == "execution_error" and "timeout=5 s" in err["exception_message"]
     assert elapsed < 8.0
     next_prompt_matches_the_core_client(comfy, home)
@@ -275,13 +280,7 @@ def test_a_key_the_server_echoes_is_in_no_message_history_or_log(servers, record
 
 def test_a_stalled_download_ends_at_the_timeout_and_deletes_the_job(servers, record_property):
     comfy, home, _ = servers
-    home.scripts.append(Script(drip="content"))
-    start = time.monotonic()
-    entry = comfy.run(graph(timeout=5), timeout=60, check=False)
-    elapsed = time.monotonic() - start
-    record_property("stalled_download_timeout5_s", round(elapsed, 2))
-    print(f"\nstalled download with timeout=5: the prompt ended after {elapsed:.2f} s")
-    err = execution_error(entry)
+    err, elapsed = run_with_timeout_5(comfy, home, "content", record_property, "stalled_download_timeout5_s")
     assert "timeout=5 s" in err["exception_message"] and "The job was deleted on the server" in err["exception_message"]
     assert any(m == "DELETE" for m, _ in home.calls())
     assert elapsed < 9.0
