@@ -179,6 +179,10 @@ class LingbotPipeline:
                 "transformer": ["TransformerBlock"],
             },
             blocks_on_gpu=blocks_on_gpu,
+            # Offload "block" streams these stacks through its ring: the DiT's blocks, the text encoder's
+            # decoder layers (36 x 0.2 GiB; the vision tower and the token embedding are its resident part).
+            stacks={"transformer": lambda dit: dit.blocks,
+                    "text_encoder": lambda te: te.model.language_model.layers},
         )
         # ``devices``: optional {"text_encoder"/"vae": device} overrides (placement.py); the DiT uses ``device``.
         self.offloader.apply(offload, resolve_device(device), check_component_devices(devices))
@@ -321,6 +325,9 @@ class LingbotPipeline:
             return self._prompt_cache[key]
         image = vlm_image(condition.pixels) if condition is not None else None
         with self.offloader.stage():
+            # One forward per prompt, as the reference encodes them (B = 1): a padded two-prompt batch would
+            # change the GEMM shapes, hence the rounding, of both prompts.
+            self.offloader.expect_forwards(2 if do_cfg and not null_negative else 1, "text_encoder")
             device = self.offloader.execution_device("text_encoder")
             positive = encode_text(self.text_encoder, self.processor, text, image, device, self.crop_start)
             negative = None

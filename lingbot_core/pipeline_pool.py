@@ -166,13 +166,15 @@ class PipelinePool:
         return self._bytes[spec]
 
     def pin_bytes(self, spec: PipelineSpec) -> int:
-        """The page-locked RAM offload ``block`` takes for ``spec`` (its staging buffers; cached). Nothing
-        is pinned off CUDA."""
+        """The page-locked RAM offload ``block`` takes for ``spec`` at most besides its pinned homes (its
+        staging buffers; cached). Nothing is pinned off CUDA."""
         if torch.device(spec.device).type != "cuda":
             return 0
         if spec not in self._pins:
-            self._pins[spec] = block_ring_bytes(spec.model_dir, spec.transformer_subfolder,
-                                                spec.load_dtypes()["transformer"], spec.files()["transformer"])
+            dtypes, files = spec.load_dtypes(), spec.files()
+            self._pins[spec] = block_ring_bytes(spec.model_dir, spec.transformer_subfolder, dtypes["transformer"],
+                                                files["transformer"], text_encoder_dtype=dtypes["text_encoder"],
+                                                text_encoder_file=files.get("text_encoder"))
         return self._pins[spec]
 
     def _held(self) -> int:

@@ -51,6 +51,18 @@ class Transfers(list):
         self.allocations = []
 
 
+def _frame(skip: int = 2):
+    """The frame of the function that called the intercepted function (comprehensions skipped)."""
+    frame = sys._getframe(skip)
+    while frame.f_code.co_name.startswith("<") and frame.f_back is not None:
+        frame = frame.f_back
+    return frame
+
+
+def _caller() -> str:
+    return _frame(3).f_code.co_name
+
+
 @contextmanager
 def recording_transfers():
     """Intercept ``Tensor.to`` and ``torch.empty`` on a CUDA device: yields a :class:`Transfers`.
@@ -64,15 +76,13 @@ def recording_transfers():
     def empty(*size, device=None, **kwargs):
         if device is not None and torch.device(device).type == "cuda":
             t = orig_empty(*size, **kwargs)
-            requests.allocations.append((sys._getframe(1).f_code.co_name, t.numel() * t.element_size(), torch.device(device)))
+            requests.allocations.append((_caller(), t.numel() * t.element_size(), torch.device(device)))
             return t
         return orig_empty(*size, device=device, **kwargs)
 
     def to(self, *args, **kwargs):
         device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        frame = sys._getframe(1)
-        while frame.f_code.co_name.startswith("<") and frame.f_back is not None:  # comprehensions
-            frame = frame.f_back
+        frame = _frame()
         requests.append((frame.f_globals.get("__name__", ""), frame.f_code.co_name, device))
         if device is not None and device.type == "cuda":
             return orig_to(self, dtype=dtype) if dtype is not None else self

@@ -9,9 +9,10 @@ neither can show an offload bug. The tracker instead instruments accelerate's ow
 - ``AlignDevicesHook.pre_forward``/``post_forward`` (sequential): a module's own tensors are loaded
   for the duration of its forward.
 
-- ``StreamUnit.onload``/``offload`` (offload ``block``): a DiT placement unit (the non-block weights
-  with the resident blocks, or one streamed block) is on the device from its onload to its offload.
-  Which blocks a unit holds is read from the tensors it moves, not from the streamer's bookkeeping.
+- ``StreamUnit.onload``/``offload`` (offload ``block``): a placement unit (the DiT's or the text
+  encoder's non-block weights with the resident blocks, or one streamed block or layer) is on the device
+  from its onload to its offload. Which component and which DiT blocks a unit holds is read from the
+  tensors it moves, not from the streamer's bookkeeping.
 
 ``bytes_moved`` counts the weight bytes copied to the device (sequential streaming, block onloads,
 model-offload onloads of a component that was not resident): the traffic a step costs.
@@ -60,7 +61,7 @@ class ResidencyTracker:
         self.bytes_moved = 0
         self._stack = ExitStack()
         self._component_bytes = {name: _nbytes(m, True) for name, m in self.components.items()}
-        # offload "block": units on the device (id -> (bytes, block indices held)), and per-block probes
+        # offload "block": units on the device (id -> (bytes, DiT block indices held, component)), and per-block probes
         self.units = {}
         blocks = getattr(pipe.transformer, "blocks", [])
         self._block_of = {id(m): i for i, b in enumerate(blocks) for m in b.modules()}
@@ -75,10 +76,13 @@ class ResidencyTracker:
         if self.pipe.offload == "none":
             return sum(self._component_bytes.values())
         return (sum(self._component_bytes[n] for n in self.resident) + sum(self.streamed.values())
-                + sum(b for b, _ in self.units.values()))
+                + sum(b for b, _, _ in self.units.values()))
 
     def blocks_resident(self) -> set:
-        return set().union(*(blocks for _, blocks in self.units.values())) if self.units else set()
+        return set().union(*(blocks for _, blocks, _ in self.units.values())) if self.units else set()
+
+    def units_resident(self, component: str) -> int:
+        return sum(1 for *_, c in self.units.values() if c == component)
 
     def _update_peak(self):
         self.peak_bytes = max(self.peak_bytes, self.resident_bytes())
@@ -86,8 +90,8 @@ class ResidencyTracker:
     def current(self) -> frozenset:
         if self.pipe.offload == "none":
             return frozenset(self.components)
-        dit = {"transformer"} if self.units else set()
-        return frozenset(self.resident | {n for n, b in self.streamed.items() if b > 0} | dit)
+        ring = {c for *_, c in self.units.values()}
+        return frozenset(self.resident | {n for n, b in self.streamed.items() if b > 0} | ring)
 
     # -- instrumentation ---------------------------------------------------------------------
 
@@ -143,11 +147,12 @@ class ResidencyTracker:
 
         def unit_onload(unit, device, stream=None):
             blocks = {tracker._block_of[id(m)] for m, *_ in unit.slots if id(m) in tracker._block_of}
+            component = next(tracker.owner[id(m)] for m, *_ in unit.slots)
             nbytes = sum(t.numel() * t.element_size() for *_, t in unit.slots)
             if not unit.on_device:
                 tracker.bytes_moved += nbytes
-            tracker.units[id(unit)] = (nbytes, blocks)
-            tracker.onloads.append(("transformer", torch.device(device)))
+            tracker.units[id(unit)] = (nbytes, blocks, component)
+            tracker.onloads.append((component, torch.device(device)))
             tracker.events.append(("unit_onload", unit.label))
             tracker.max_blocks_resident = max(tracker.max_blocks_resident, len(tracker.blocks_resident()))
             tracker._update_peak()

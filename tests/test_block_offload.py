@@ -34,12 +34,12 @@ def deep_package(tmp_path_factory):
 
 
 def leave_resident(pipe, tracker):
-    """Start dirty, as after code that ran components outside any stage: the VAE (which evicted the
-    text encoder, its predecessor) and the DiT's non-block weights with its first streamed block."""
+    """Start dirty, as after code that ran components outside any stage: the VAE, and the text encoder's and
+    the DiT's non-block weights with their first streamed layer or block."""
     for name in ("text_encoder", "vae", "transformer"):
         module = pipe.offloader.components[name]
         module._hf_hook.pre_forward(module)
-    assert tracker.current() == {"vae", "transformer"}
+    assert tracker.current() == {"text_encoder", "vae", "transformer"}
 
 
 @pytest.fixture(scope="module")
@@ -90,9 +90,10 @@ def stage_peaks(pipe, tracker):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_block_residency_and_frames(deep_package, deep_reference, test_image, k):
-    """Issue 24 item 2: under ``block`` the text encoder streams by layers as under ``sequential``, so the
-    stated bound holds per stage: image encode and decode <= the VAE, prompt encode <= the text encoder's
-    largest streamed unit, sampling <= the DiT's non-block weights + (K + 2) blocks."""
+    """Issue 24 item 2, issue 31 item 10: under ``block`` the text encoder streams its decoder layers through a
+    ring as the DiT streams its blocks, so the stated bound holds per stage: image encode and decode <= the
+    VAE, prompt encode <= the text encoder's non-layer weights + 2 layers, sampling <= the DiT's non-block
+    weights + (K + 2) blocks."""
     pipe = load_pipeline(deep_package, offload="block", device="cpu", blocks_on_gpu=k)
     try:
         streamed = [i for i, b in enumerate(pipe.transformer.blocks) if hasattr(b, "_hf_hook")]
@@ -106,8 +107,8 @@ def test_block_residency_and_frames(deep_package, deep_reference, test_image, k)
             assert tr.current() == frozenset() and tr.blocks_resident() == set()
         np.testing.assert_array_equal(frames, deep_reference)
         assert only(tr.seen("DiT"), "transformer") and only(tr.seen("VAE.enc"), "vae") and only(tr.seen("VAE.dec"), "vae")
-        stream = tr.seen("stream")  # the text encoder streamed alone
-        assert any(stream) and all(s <= {"text_encoder"} for s in stream + tr.seen("TE"))
+        assert only(tr.seen("TE"), "text_encoder")  # the text encoder alone
+        assert tr.seen("stream") == []  # nothing streamed module by module any more
         # every block ran on the device, with at most K + 2 blocks there
         assert len(tr.block_snapshots) == DEPTH * 2 * RUN["steps"]
         assert all(here for _, _, here, _ in tr.block_snapshots)
@@ -115,13 +116,14 @@ def test_block_residency_and_frames(deep_package, deep_reference, test_image, k)
         assert tr.max_blocks_resident == k + 2  # the next block really is prefetched
         # the bound of each stage (prompt encode, image encode, sampling, decode)
         def nbytes(m):
-            return sum(p.numel() * p.element_size() for p in m.parameters())
+            return sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
         block_bytes = nbytes(pipe.transformer.blocks[0])
         non_block = nbytes(pipe.transformer) - DEPTH * block_bytes
-        te_unit, te_bytes, vae_bytes = largest_stream_unit(pipe.text_encoder), nbytes(pipe.text_encoder), nbytes(pipe.vae)
-        assert te_unit < te_bytes
+        layers = pipe.text_encoder.model.language_model.layers
+        te_layer, te_bytes, vae_bytes = nbytes(layers[0]), nbytes(pipe.text_encoder), nbytes(pipe.vae)
+        te_core = te_bytes - len(layers) * te_layer
         enc_peak, te_peak, dit_peak, dec_peak = peaks  # TI2V: the image is encoded first (the prompt encode sees it)
-        assert 0 < te_peak <= te_unit
+        assert te_core + 2 * te_layer >= te_peak > te_core + te_layer  # the next layer really is prefetched
         assert 0 < enc_peak <= vae_bytes and 0 < dec_peak <= vae_bytes
         assert non_block + min(k + 2, DEPTH) * block_bytes >= dit_peak > non_block + k * block_bytes
     finally:
@@ -137,8 +139,10 @@ def test_block_inputs_on_the_hook_device(deep_package):
             pipe.generate("a cat", **RUN)
             assert tr.current() == frozenset()
         assert_placed_on_hook_device(req, ("encode_text", "denoise", "vae_decode"))
-        # the block weights themselves were copied to the hook's device
-        assert {d for mod, fn, d in req if fn == "onload" and d is not None} == {FAKE}
+        # the weights were copied into buffers on the hook's device: the ring's, and one per stage for the
+        # resident weights (issue 31 item 11: no per-tensor copies any more)
+        assert {d for fn, _, d in req.allocations if fn in ("_device_slot", "load_whole")} == {FAKE}
+        assert not [r for r in req if r[1] == "onload"]
     finally:
         pipe.release()
 
@@ -219,11 +223,13 @@ def block_tensor_bytes(block):
     return sum(t.numel() * t.element_size() for t in tensors), len(tensors)
 
 
-def ring_run(pipe, pins, runs=2, **run):
-    """``runs`` generates with the streamer on the fake ``cuda:3``; returns the device allocations per
-    run and, per streamed-block call, whether each weight lay in a device buffer and equalled its home."""
+def ring_run(pipe, pins, runs=2, pin_budget=0, **run):
+    """``runs`` generates with the streamers on the fake ``cuda:3`` (pinned homes within ``pin_budget``
+    bytes; 0: every copy goes through the staging buffers); returns the device allocations per run and,
+    per streamed-block call, whether each weight lay in a device buffer and equalled its home."""
     streamer = pipe.transformer._hf_hook
     streamer.execution_device = FAKE
+    pipe.offloader.pins.total = pin_budget
     homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}  # values only; placement changes
     seen = []
 
@@ -256,14 +262,19 @@ def test_block_ring_pins_two_exact_buffers_and_reuses_two_device_buffers(deep_pa
         block_bytes, n_tensors = block_tensor_bytes(pipe.transformer.blocks[-1])
         with ResidencyTracker(pipe) as tr:
             allocations, seen, frames = ring_run(pipe, pins, image=test_image, **RUN)
-        # two staging buffers for the pipeline's life, each one block's bytes (+ <= 256 alignment per tensor)
-        assert len(pins.calls) == 2
-        assert all(block_bytes <= n <= block_bytes + 256 * n_tensors for n in pins.calls)
+        dit, te = pipe.transformer._hf_hook, pipe.text_encoder._hf_hook  # the text encoder streams its layers too
+        # two staging buffers per ring for the pipeline's life, each one block's (layer's) bytes (+ <= 256
+        # alignment per tensor)
+        assert sorted(pins.calls) == sorted([dit.ring.slot_bytes] * 2 + [te.ring.slot_bytes] * 2)
+        assert block_bytes <= dit.ring.slot_bytes <= block_bytes + 256 * n_tensors
         assert pipe.pinned_bytes() == sum(pins.calls)
-        # two device buffers per denoise stage, of the same size; never more, however many blocks ran
-        for stage in allocations:
-            ring = [(n, d) for fn, n, d in stage if fn != "vae_encode"]  # the VAE's input is made on the device too
-            assert [n for n, _ in ring] == pins.calls and {d for _, d in ring} == {FAKE}
+        # per run: two ring buffers per streamer, of the same size, never more however many blocks ran, and
+        # one buffer per stage for each streamer's resident weights (copied through the same staging buffers)
+        for i, stage in enumerate(allocations):  # the second run's prompt comes from the cache
+            ring = [n for fn, n, d in stage if fn == "_device_slot"]
+            assert ring == [te.ring.slot_bytes] * 2 * (i == 0) + [dit.ring.slot_bytes] * 2
+            assert [n for fn, n, d in stage if fn == "load_whole"] == [te.core.span] * (i == 0) + [dit.core.span]
+            assert {d for fn, n, d in stage if fn in ("_device_slot", "load_whole")} == {FAKE}
         # streamed blocks x steps x runs: CFG lockstep (issue 17) streams each block once for both branches
         assert len(seen) == (DEPTH - k) * RUN["steps"] * 2
         assert all(inside and equal for inside, equal in seen)  # every block ran on its copy in a ring buffer
@@ -287,7 +298,7 @@ def test_block_release_returns_the_pins(deep_package):
         ring_run(pipe, pins, runs=1, **dict(RUN, steps=1))
         assert pipe.pinned_bytes() == sum(pins.calls) > 0
     assert handle.release()
-    assert len(pins.buffers) == 2 and all(b.tensor is None and not b.pinned for b in pins.buffers)
+    assert len(pins.buffers) == 4 and all(b.tensor is None and not b.pinned for b in pins.buffers)  # two per ring
 
 
 def test_block_pins_are_counted_in_the_ram_budget(deep_package, monkeypatch):
@@ -386,14 +397,15 @@ def test_host_memory_is_pinned_in_one_place_only():
 # ---------------------------------------------------------------------------------------------
 
 
-def stream_run(pipe, streams, **run):
+def stream_run(pipe, streams, pin_budget=0, pins=None, **run):
     """One generate with the streamer on the fake ``cuda:3`` and ``streams`` (a RecordingStreams) as its
-    CUDA streams: the staging thread and every event run for real. Returns the frames and, per streamed
+    CUDA streams, homes pinned within ``pin_budget`` bytes: the staging thread and every event run for real. Returns the frames and, per streamed
     block call, whether its weights equalled their homes when its first Linear read them."""
     from fake_streams import RecordingStreams  # noqa: F401  (the type the caller passes)
 
     streamer = pipe.transformer._hf_hook
     streamer.execution_device, streamer.streams = FAKE, streams
+    pipe.offloader.pins.total = pin_budget
     homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}
     used = []
 
@@ -402,7 +414,7 @@ def stream_run(pipe, streams, **run):
 
     handles = [b.attn.to_q.register_forward_pre_hook(probe(b)) for b in pipe.transformer.blocks if hasattr(b, "_hf_hook")]
     try:
-        with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe), \
+        with mock.patch.object(host_memory, "pinned_buffer", pins or PinCounter()), fake_accelerator(pipe), \
                 reporting_releases(streams):
             frames = pipe.generate("a cat", **run)
     finally:
@@ -416,7 +428,8 @@ def reporting_releases(streams):
     orig = BlockRing.release_device
 
     def release_device(ring):
-        streams.released([slot.buffer for slot in ring.device_slots])
+        if ring.streams is streams:  # another streamer's ring (on other streams) is not this stand-in's business
+            streams.released([slot.buffer for slot in ring.device_slots + ring.whole_slots])
         return orig(ring)
 
     return mock.patch.object(BlockRing, "release_device", release_device)
@@ -452,10 +465,14 @@ def test_staging_thread_overlaps_and_waits(deep_package, deep_reference, test_im
         assert streams.violations == []  # no wait on an unrecorded event, no staging buffer refilled in flight
         assert streams.copy_threads == {"lingbot-staging_0"}  # never the thread that runs the DiT
         assert staging_refills_waited(streams.calls)
+        streamer = pipe.transformer._hf_hook
         copies = [c for c in streams.calls if c[0] == "copy_on_side"]
-        assert len(copies) == (DEPTH - k) * RUN["steps"]  # item 8: no block 0 prefetched after the last block
+        core_chunks = -(-streamer.core.span // streamer.ring.slot_bytes)  # issue 31 item 11: resident weights staged too
+        assert core_chunks >= 2
+        # item 8: no block 0 prefetched after the last block
+        assert len(copies) == (DEPTH - k) * RUN["steps"] + core_chunks
         waits = [c for c in streams.calls if c[0] == "compute_waits"]
-        assert len(waits) == len(copies)  # compute waited for every copy
+        assert len(waits) == (DEPTH - k) * RUN["steps"] + 1  # compute waited for every block and for the core
     finally:
         pipe.release()
 
@@ -581,18 +598,32 @@ def test_stage_end_synchronises_the_side_stream_before_dropping_buffers(deep_pac
 
 
 def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_image):
-    """Issue 28: under ``block`` the text encoder streams by layers; a prompt encode that raises mid-forward
-    leaves a layer materialised on the device unless the stage's reset puts it back (as under sequential)."""
+    """Issue 28, issue 31 item 10: under ``block`` the text encoder streams its layers through a ring; a prompt
+    encode that raises mid-forward leaves the layers in the ring's device buffers unless the stage's reset
+    sends them home (their CPU tensors, with their values)."""
     pipe = load_pipeline(deep_package, offload="block", device="cpu")
     try:
-        linear = pipe.text_encoder.model.language_model.layers[1].mlp.down_proj
+        layer = pipe.text_encoder.model.language_model.layers[1]
+        homes = {name: p.detach().clone() for name, p in layer.named_parameters()}
+        in_ring = []
+
+        def fail(*args, **kwargs):
+            ring = pipe.text_encoder._hf_hook.ring
+            slots = [(s.buffer.data_ptr(), s.buffer.data_ptr() + s.buffer.numel()) for s in ring.device_slots]
+            in_ring.append(all(any(lo <= p.data_ptr() < hi for lo, hi in slots) for p in layer.parameters()))
+            raise RuntimeError("mid-encode failure")
+
         with fake_accelerator(pipe):
-            # the layer's own forward (accelerate's hook has already put its weight on the device) raises
-            with mock.patch.object(linear, "_old_forward", side_effect=RuntimeError("mid-encode failure")):
+            pipe.offloader.pins.total = 0
+            with mock.patch.object(layer.mlp, "forward", side_effect=fail):
                 with pytest.raises(RuntimeError, match="mid-encode"):
                     pipe.generate("a cat", image=test_image, **RUN)
+            assert in_ring == [True]  # the layer computed from a ring buffer on the device
             assert pipe.offloader.resident() == []
-            assert all(p.device.type == "meta" for p in linear.parameters())  # back to meta, not left "on the GPU"
+            for name, p in layer.named_parameters():  # home again, with its values
+                assert pipe.text_encoder._hf_hook.ring.device_slots == []
+                assert torch.equal(p, homes[name])
+                assert not any(p.data_ptr() == s.buffer.data_ptr() for s in pipe.text_encoder._hf_hook.ring.whole_slots)
     finally:
         pipe.release()
 
@@ -708,3 +739,106 @@ def test_drain_is_a_barrier_for_jobs_whose_handle_was_lost():
     finally:
         gate.set()
         ring.release_host()
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 31 items 10, 11: the text encoder through a ring, resident weights staged, pinned homes
+# ---------------------------------------------------------------------------------------------
+
+
+def sources(streams, buffers) -> list:
+    """Per ``copy_on_side``, the index in ``buffers`` (pinned host buffers) its source lies in, else None."""
+    starts = [b.tensor.untyped_storage().data_ptr() if b.tensor is not None else None for b in buffers]
+    return [starts.index(ptr) if ptr in starts else None for call, _, ptr in streams.calls if call == "copy_on_side"]
+
+
+def test_pinned_homes_are_copied_from_directly_within_the_budget(deep_package, deep_reference, test_image):
+    """With room for three blocks in the pin budget, the first three streamed DiT blocks get pinned homes: the
+    ring copies them to the device from there (no staging buffer, no host memcpy), the others through the
+    staging buffers; the frames are those of offload none, the homes keep their values, and leaving block
+    mode unlocks every pinned byte with the weights unchanged."""
+    from fake_streams import RecordingStreams
+
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pins = PinCounter()
+    try:
+        streamer = pipe.transformer._hf_hook
+        spans = [u.span for u in streamer.streamed]
+        values = {id(p): p.detach().clone() for p in pipe.transformer.parameters()}
+        streams = RecordingStreams()
+        frames, used = stream_run(pipe, streams, pin_budget=sum(spans[:3]) + 1000, pins=pins, image=test_image, **RUN)
+        assert [u.pinned is not None for u in streamer.streamed] == [True] * 3 + [False] * (DEPTH - 3)
+        assert streamer.core.pinned is None and pipe.offloader.pins.used == sum(spans[:3])
+        homes = [u.pinned for u in streamer.streamed[:3]]
+        staging = [h.pinned for h in streamer.ring.host_slots]
+        assert pins.buffers[:3] == homes and len(staging) == 2  # homes pinned at the stage start, staging when needed
+        per_block = sources(streams, homes + staging)  # block j's copies come from home j, the others' from staging
+        assert per_block.count(0) == per_block.count(1) == per_block.count(2) == RUN["steps"]
+        assert per_block.count(3) + per_block.count(4) == (DEPTH - 3) * RUN["steps"] + -(-streamer.core.span // streamer.ring.slot_bytes)
+        assert streams.violations == [] and all(used)
+        np.testing.assert_allclose(frames, deep_reference, rtol=0, atol=1e-4)
+        for unit, home in zip(streamer.streamed[:3], homes):  # at home, the blocks' weights lie in their pinned buffers
+            lo = home.tensor.data_ptr()
+            assert all(lo <= t.data_ptr() < lo + home.nbytes for *_, t in unit.slots)
+        te_staging = [h.pinned for h in pipe.text_encoder._hf_hook.ring.host_slots]  # the text encoder's layers
+        assert sorted(pins.buffers, key=id) == sorted(homes + staging + te_staging, key=id)
+        assert pipe.pinned_bytes() == sum(pins.calls)
+        pipe.set_offload("none")
+        assert pipe.pinned_bytes() == 0 and all(not b.pinned for b in pins.buffers) and pipe.offloader.pins.used == 0
+        assert all(torch.equal(p, values[id(p)]) for p in pipe.transformer.parameters())
+    finally:
+        pipe.release()
+
+
+def test_with_every_home_pinned_no_staging_buffer_is_made_and_nothing_is_memcpyd(deep_package, deep_reference, test_image):
+    """A budget that holds both streamers' homes: every unit (DiT blocks, text-encoder layers, both resident
+    parts) is copied from its pinned home, no staging buffer is allocated, and the rings' host copies are 0 s."""
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pins = PinCounter()
+    try:
+        dit, te = pipe.transformer._hf_hook, pipe.text_encoder._hf_hook
+        every = sum(u.span for s in (dit, te) for u in s.units())
+        with ResidencyTracker(pipe) as tr:
+            _, seen, (frames,) = ring_run(pipe, pins, runs=1, pin_budget=every, image=test_image, **RUN)
+        assert all(u.pinned is not None for s in (dit, te) for u in s.units())
+        assert sorted(pins.calls) == sorted(u.span for s in (dit, te) for u in s.units())  # homes only
+        assert dit.ring.host_slots == [] and te.ring.host_slots == []
+        assert dit.ring.stats["host_copy_s"] == te.ring.stats["host_copy_s"] == 0
+        assert dit.ring.stats["copies"] == DEPTH * RUN["steps"] + 1 and te.ring.stats["copies"] == 2 * 2 + 1
+        assert all(inside and equal for inside, equal in seen) and tr.max_blocks_resident == 2
+        np.testing.assert_allclose(frames, deep_reference, rtol=0, atol=1e-4)
+    finally:
+        pipe.release()
+
+
+def test_text_encoder_streams_its_layers_on_the_staging_thread(deep_package):
+    """The text encoder under ``block`` on the fake device with recorded streams: its layers and resident part
+    go through the ring's staging thread and events, both prompts' embeddings equal offload none's, and the
+    second (last) forward prefetches nothing after its last layer."""
+    from fake_streams import RecordingStreams
+
+    reference = load_pipeline(deep_package, device="cpu")
+    try:
+        want = reference.encode_prompt("a cat", guidance_scale=3.0)
+    finally:
+        reference.release()
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    try:
+        te = pipe.text_encoder._hf_hook
+        streams = RecordingStreams()
+        pipe.offloader.pins.total = 0
+        with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe), \
+                reporting_releases(streams):
+            te.streams = streams
+            got = pipe.encode_prompt("a cat", guidance_scale=3.0)
+        torch.testing.assert_close(got.positive, want.positive, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got.negative, want.negative, rtol=0, atol=1e-5)
+        layers = len(pipe.text_encoder.model.language_model.layers)
+        core_chunks = -(-te.core.span // te.ring.slot_bytes)
+        copies = [c for c in streams.calls if c[0] == "copy_on_side"]
+        assert len(copies) == 2 * layers + core_chunks  # two forwards; no layer 0 prefetched after the last one
+        assert streams.copy_threads == {"lingbot-staging_0"} and streams.violations == []
+        assert staging_refills_waited(streams.calls) and copies_synchronised_before_release(streams.calls)
+        assert pipe.offloader.resident() == [] and te.ring.device_slots == [] and te.ring.whole_slots == []
+    finally:
+        pipe.release()

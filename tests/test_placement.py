@@ -77,15 +77,16 @@ def test_text_encoder_on_b_dit_on_a(pipe_and_reference, mode, vae_on):
     # ... each component ran alone (under sequential a probe fires before its module streams in, so
     # its snapshot may still be empty; every streaming step's snapshot holds one component, on its device) ...
     alone = (lambda s, pair: s <= {pair}) if mode == "sequential" else (lambda s, pair: s == {pair})
-    te_alone = (lambda s, pair: s <= {pair}) if mode in ("sequential", "block") else alone  # block streams the TE
+    te_alone = (lambda s, pair: s <= {pair}) if mode == "sequential" else alone
     assert all(te_alone(s, ("text_encoder", B)) for s in te)
     assert all(alone(s, ("transformer", A)) for s in dit)
     assert all(alone(s, ("vae", vae_device)) for s in dec)
     own = {"text_encoder": B, "transformer": A, "vae": vae_device}
     streamed = [s for probe, s in tr.placed_snapshots if probe == "stream"]
     assert all(len(s) <= 1 for s in streamed)  # modules without weights of their own add nothing
-    # sequential streams the text encoder and the DiT; its VAE is placed whole, as under model (issue 31)
-    expected = {"sequential": set(own.items()) - {("vae", vae_device)}, "block": {("text_encoder", B)}}.get(mode, set())
+    # sequential streams the text encoder and the DiT module by module; its VAE is placed whole, as under model
+    # (issue 31); block streams both through rings (placement units, not module streaming)
+    expected = {"sequential": set(own.items()) - {("vae", vae_device)}}.get(mode, set())
     assert set().union(*streamed) == expected
     # ... and nothing stayed on either device
     assert after == (frozenset(), frozenset())

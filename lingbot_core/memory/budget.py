@@ -12,6 +12,7 @@ import ctypes.util
 import gc
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Dict, Optional
@@ -54,6 +55,18 @@ def available_ram() -> Optional[int]:
     except ImportError:
         return None
     return int(psutil.virtual_memory().available)
+
+
+def total_ram() -> Optional[int]:
+    """Bytes of physical memory (Linux ``MemTotal``)."""
+    kib = _meminfo_kib("MemTotal")
+    if kib is not None:
+        return kib * 1024
+    try:
+        import psutil
+    except ImportError:
+        return None
+    return int(psutil.virtual_memory().total)
 
 
 def process_rss(pid: Optional[int] = None) -> Optional[int]:
@@ -160,16 +173,18 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
     return total
 
 
-def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None) -> int:
-    """Pinned host bytes offload ``block`` takes on a CUDA device: its staging buffers, each as large as
-    the largest DiT block (tensors aligned as in the ring; headers only, no weights read). A GGUF DiT's
-    blocks stream their quantized bytes."""
+def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None, *,
+                     text_encoder_dtype: Optional[torch.dtype] = None, text_encoder_file=None) -> int:
+    """Pinned host bytes offload ``block``'s staging buffers take on a CUDA device at most (headers only,
+    no weights read): two per streamer, each as large as its largest block (tensors aligned as in the
+    ring), for the DiT and, with ``text_encoder_dtype``, the text encoder's decoder layers. A GGUF DiT's
+    blocks stream their quantized bytes. Pinned homes (within their own budget) take the homes' place
+    and add nothing."""
     from ..files.checkpoint_files import safetensors_files
-    from .offload import RING_ALIGN, RING_SLOTS
+    from .offload import RING_SLOTS
     from ..model.transformer import is_fp32_island
 
     root = None if model_dir is None else Path(model_dir)  # None: the three files alone
-    per_block: Dict[str, int] = {}
     if transformer_file:
         from ..model.dit_files import DitFile, loaded_bytes, transformer_config
 
@@ -179,12 +194,28 @@ def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, 
         folder = root / transformer_subfolder
         tables = [_loaded_tensor_bytes(path, dtype, is_fp32_island)
                   for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
+    total = RING_SLOTS * _largest_block(tables, _DIT_BLOCK)
+    if text_encoder_dtype is not None:
+        paths = [Path(text_encoder_file)] if text_encoder_file else safetensors_files(root / "text_encoder", "text_encoder", "model")
+        total += RING_SLOTS * _largest_block([_loaded_tensor_bytes(p, text_encoder_dtype) for p in paths], _TEXT_LAYER)
+    return total
+
+
+_DIT_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_TEXT_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")  # not the vision blocks
+
+
+def _largest_block(tables, pattern) -> int:
+    """The ring bytes of the largest block whose tensor names match ``pattern`` (group 1: its index)."""
+    from .offload import RING_ALIGN
+
+    per_block: Dict[str, int] = {}
     for table in tables:
         for name, n in table.items():
-            parts = name.split(".")
-            if len(parts) > 2 and parts[0] == "blocks":
-                per_block[parts[1]] = per_block.get(parts[1], 0) + -(-n // RING_ALIGN) * RING_ALIGN
-    return RING_SLOTS * max(per_block.values(), default=0)
+            m = pattern.match(name)
+            if m:
+                per_block[m.group(1)] = per_block.get(m.group(1), 0) + -(-n // RING_ALIGN) * RING_ALIGN
+    return max(per_block.values(), default=0)
 
 
 def format_bytes(n: Optional[int]) -> str:
@@ -194,18 +225,30 @@ def format_bytes(n: Optional[int]) -> str:
 
 
 RAM_BUDGET_ENV = "LINGBOT_RAM_BUDGET_GB"
+PINNED_HOMES_ENV = "LINGBOT_PINNED_GB"
 
 
 def ram_budget_from_env(environ=None) -> Optional[int]:
     """``LINGBOT_RAM_BUDGET_GB`` in bytes (GB counted as GiB, ``1024 ** 3``), or None when unset/empty."""
-    raw = (os.environ if environ is None else environ).get(RAM_BUDGET_ENV, "").strip()
+    return _gib_from_env(RAM_BUDGET_ENV, environ, zero_ok=False,
+                         what="the GB of RAM LingBot pipelines may hold (e.g. 48), or unset it to use the RAM available")
+
+
+def pinned_homes_from_env(environ=None) -> Optional[int]:
+    """``LINGBOT_PINNED_GB`` in bytes (0 turns pinned homes off), or None when unset/empty."""
+    return _gib_from_env(PINNED_HOMES_ENV, environ, zero_ok=True,
+                         what="the GB of RAM offload 'block' may page-lock for weights (0 = none), or unset it "
+                              "for a quarter of the machine's RAM")
+
+
+def _gib_from_env(name: str, environ, zero_ok: bool, what: str) -> Optional[int]:
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
     if not raw:
         return None
     try:
         gb = float(raw)
     except ValueError:
-        raise ValueError(f"{RAM_BUDGET_ENV}={raw!r} is not a number; set it to the GB of RAM LingBot "
-                         "pipelines may hold (e.g. 48), or unset it to use the RAM available.") from None
-    if not gb > 0 or gb != gb or gb == float("inf"):
-        raise ValueError(f"{RAM_BUDGET_ENV}={raw!r} must be a positive, finite number of GB.")
+        raise ValueError(f"{name}={raw!r} is not a number; set it to {what}.") from None
+    if gb != gb or gb == float("inf") or gb < 0 or (gb == 0 and not zero_ok):
+        raise ValueError(f"{name}={raw!r} must be a {'non-negative' if zero_ok else 'positive'}, finite number of GB.")
     return int(gb * 1024 ** 3)

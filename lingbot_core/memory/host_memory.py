@@ -1,7 +1,8 @@
-"""Page-locked (pinned) host memory of an exact size, and emptying PyTorch's pinned-memory cache.
+"""Page-locked (pinned) host memory of an exact size, the budget for pinned weight homes, and emptying
+PyTorch's pinned-memory cache.
 
-Offload ``block`` copies each DiT block through a few pinned staging buffers (see
-:class:`lingbot_core.memory.offload.BlockRing`). They are allocated here with ``cudaHostRegister`` on a plain
+Offload ``block`` copies each streamed block from a pinned home (within :class:`PinBudget`) or through a
+few pinned staging buffers (see :class:`lingbot_core.memory.offload.BlockRing`). They are allocated here with ``cudaHostRegister`` on a plain
 host allocation, not through PyTorch's caching host allocator (``pin_memory()``,
 ``torch.empty(..., pin_memory=True)``): that allocator rounds every request up to a power of two
 (a 1.15 GiB MoE block would lock 2 GiB) and keeps freed blocks locked until
@@ -15,9 +16,20 @@ import logging
 import mmap
 import weakref
 
+from typing import Optional
+
 import torch
 
+from .budget import GIB, available_ram, pinned_homes_from_env, total_ram
+
 logger = logging.getLogger("lingbot_core")
+
+# Default share of physical RAM that pinned weight homes may lock (``LINGBOT_PINNED_GB`` overrides it).
+# Locked pages cannot be swapped or dropped: a quarter keeps a dense pipeline (about 11 GiB with its text
+# encoder) fully pinned from 48 GB up, and leaves the page cache room on a machine that streams the MoE.
+PINNED_HOMES_SHARE = 0.25
+# RAM left available (``MemAvailable``) after any pin: pinning stops short of it.
+PIN_HEADROOM = 4 * GIB
 
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context, as cudaHostAlloc's default
 PAGE = mmap.PAGESIZE  # page locking works on whole pages
@@ -100,3 +112,38 @@ def _discard_cuda_error() -> None:
         torch.cuda.synchronize()
     except RuntimeError:
         pass
+
+
+class PinBudget:
+    """Host bytes that offload ``block`` may page-lock for weight homes (one per pipeline's offloader).
+
+    ``take(n)`` grants ``n`` bytes while the total stays within ``total`` and the system keeps
+    :data:`PIN_HEADROOM` available after the pin; ``give(n)`` returns them when the homes are unpinned.
+    """
+
+    def __init__(self, total: int, headroom: int = PIN_HEADROOM):
+        self.total = max(0, int(total))
+        self.headroom = headroom
+        self.used = 0
+
+    def take(self, nbytes: int) -> bool:
+        if self.used + nbytes > self.total:
+            return False
+        available = available_ram()
+        if available is not None and available - nbytes < self.headroom:
+            return False
+        self.used += nbytes
+        return True
+
+    def give(self, nbytes: int) -> None:
+        self.used = max(0, self.used - nbytes)
+
+
+def pinned_homes_budget(environ=None) -> int:
+    """Bytes of pinned homes allowed: ``LINGBOT_PINNED_GB`` when set, else :data:`PINNED_HOMES_SHARE` of
+    physical RAM (0 where it is unknown)."""
+    explicit: Optional[int] = pinned_homes_from_env(environ)
+    if explicit is not None:
+        return explicit
+    total = total_ram()
+    return 0 if total is None else int(total * PINNED_HOMES_SHARE)

@@ -8,11 +8,13 @@ left, so nothing is ever copied device-to-host. ``sequential`` streams each modu
 own forward (accelerate ``cpu_offload``), with whole subtrees preloaded where a forward reads a
 child's tensors directly (the Qwen3-VL vision tower, the MoE feed-forward that reads raw expert
 weights); its VAE is placed as under ``model`` (its decoder runs once per latent frame of every
-tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` streams the
-text encoder as ``sequential`` does, places the VAE as ``model`` does and streams the DiT block by block (:class:`BlockStreamer`): ``blocks_on_gpu`` blocks stay resident,
-every other block is copied in just before it runs while the next one is prefetched, through a fixed
-ring of two device buffers and two exact-size pinned staging buffers (:class:`BlockRing`) that a
-staging thread fills while the GPU computes.
+tile: streamed, its weights would cross the bus hundreds of times per decode). ``block`` places the VAE
+as ``model`` does and streams the DiT block by block and the text encoder layer by layer
+(:class:`BlockStreamer`): the DiT's ``blocks_on_gpu`` blocks stay resident, every other block is copied
+in just before it runs while the next one is prefetched, through a fixed ring of two device buffers
+(:class:`BlockRing`) that a staging thread fills while the GPU computes, from pinned homes where the
+pin budget allows (:class:`~lingbot_core.memory.host_memory.PinBudget`), else through two exact-size
+pinned staging buffers.
 
 The chain assumes a fixed call order; a ComfyUI graph gives none. :meth:`Offloader.stage` therefore
 evicts everything before and after each stage, also when the stage raises or is interrupted, so a
@@ -25,7 +27,7 @@ import logging
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -106,13 +108,20 @@ class Offloader:
     """Owns the placement of a set of named components (``text_encoder``, ``transformer``, ``vae``).
 
     ``preload`` maps a component name to class names whose instances load their whole subtree at once
-    under sequential offload.
+    under sequential offload. ``stacks`` maps a component name to a function that returns its stack of
+    blocks: under ``block`` those components are streamed by :class:`BlockStreamer` (the DiT keeps
+    ``blocks_on_gpu`` of its blocks resident, others none); without one, a component other than the VAE
+    streams its modules as under ``sequential``. ``pin_budget`` bounds the pinned homes (default: from
+    ``LINGBOT_PINNED_GB`` or a share of RAM, :func:`host_memory.pinned_homes_budget`).
     """
 
     def __init__(self, components: Dict[str, nn.Module], preload: Optional[Dict[str, List[str]]] = None,
-                 blocks_on_gpu: int = 0):
+                 blocks_on_gpu: int = 0, stacks: Optional[Dict[str, Callable]] = None,
+                 pin_budget: Optional[int] = None):
         self.components = dict(components)
         self.preload = dict(preload or {})
+        self.stacks = dict(stacks or {"transformer": dit_blocks})
+        self.pins = host_memory.PinBudget(host_memory.pinned_homes_budget() if pin_budget is None else pin_budget)
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)  # used by mode "block"
         self.mode = "none"
         self.device = torch.device("cpu")
@@ -169,12 +178,13 @@ class Offloader:
                 if module is None:
                     continue
                 module.to("cpu")
-                if name == "transformer":
-                    add_hook_to_module(module, BlockStreamer(device(name), self.blocks_on_gpu))
-                elif name == "text_encoder":  # 8.3 GiB whole: by layers, so block's bound holds at prompt encode
-                    self._stream_layers(name, module, device(name))
-                else:
+                if name in self.stacks:  # the text encoder (8.3 GiB whole) too: block's bound holds at prompt encode
+                    k = self.blocks_on_gpu if name == "transformer" else 0
+                    add_hook_to_module(module, BlockStreamer(device(name), k, self.stacks[name]))
+                elif name == "vae":
                     prev = self._chain_hook(module, device(name), prev)
+                else:
+                    self._stream_layers(name, module, device(name))
         else:
             for name, module in self.components.items():
                 module.to("cpu")
@@ -198,22 +208,33 @@ class Offloader:
         cpu_offload(module, device, offload_buffers=len(module._parameters) > 0,
                     preload_module_classes=self.preload.get(name) or None)
 
-    def expect_forwards(self, n: Optional[int]) -> None:
-        """The DiT forwards the running stage will make (None: unknown). Offload ``block`` then does not
-        prefetch the first block after the last forward's last block (a copy nothing would use)."""
-        transformer = self.components.get("transformer")
-        for hook in _hooks(transformer) if transformer is not None else ():
-            if isinstance(hook, BlockStreamer):
-                hook.forwards_left = n
+    def streamers(self) -> List[BlockStreamer]:
+        """Offload ``block``'s streamers, the DiT's first."""
+        out = []
+        for name in ("transformer", *[n for n in self.components if n != "transformer"]):
+            module = self.components.get(name)
+            out += [h for h in (_hooks(module) if module is not None else ()) if isinstance(h, BlockStreamer)]
+        return out
+
+    def _streamer(self, name: str) -> Optional[BlockStreamer]:
+        module = self.components.get(name)
+        return next((h for h in _hooks(module) if isinstance(h, BlockStreamer)), None) if module is not None else None
+
+    def expect_forwards(self, n: Optional[int], component: str = "transformer") -> None:
+        """The forwards of ``component`` the running stage will make (None: unknown). Offload ``block``
+        then does not prefetch the first block after the last forward's last block (a copy nothing would
+        use)."""
+        streamer = self._streamer(component)
+        if streamer is not None:
+            streamer.forwards_left = n
 
     def set_interrupt(self, check: Optional[Callable[[], None]]) -> None:
         """``check()`` (it raises to cancel, e.g. ComfyUI's interrupt) runs before each streamed DiT block of
         the running stage under offload ``block``: a long step is cancelled between blocks, not only between
         steps. The copies in flight are drained before the exception leaves; the stage's reset clears it."""
-        transformer = self.components.get("transformer")
-        for hook in _hooks(transformer) if transformer is not None else ():
-            if isinstance(hook, BlockStreamer):
-                hook.interrupt = check
+        streamer = self._streamer("transformer")
+        if streamer is not None:
+            streamer.interrupt = check
 
     def remove_hooks(self) -> None:
         """Detach every hook; sequential weights are restored to their CPU tensors by accelerate."""
@@ -254,10 +275,9 @@ class Offloader:
         if self._chain:  # model's chain, block's and sequential's VAE
             for hook in self._chain:
                 hook.offload()
-            transformer = self.components.get("transformer")
-            for hook in _hooks(transformer) if transformer is not None else ():
-                if isinstance(hook, BlockStreamer):
-                    hook.offload_all()
+            dirty = True
+        for streamer in self.streamers():
+            streamer.offload_all()
             dirty = True
         if self.mode in ("sequential", "block"):
             for module in self.components.values():
@@ -276,9 +296,32 @@ class Offloader:
             raise RuntimeError(f"{self._failed}; choose another offload mode (e.g. 'model' or 'sequential').")
         self.reset()
         try:
+            self._pin_homes()
             yield
         finally:
             self.reset()
+
+    def _pin_homes(self) -> None:
+        """Offload ``block`` on CUDA: move the homes of streamed units into page-locked memory while the pin
+        budget allows, so their copies to the device need no host memcpy. Streamed blocks first (copied every
+        step), the DiT's first, then the resident weights (copied once per stage); a unit is pinned whole
+        or not at all. Runs once per unit; a refused lock (an OS limit) stops it for this offloader."""
+        if self.pins.total == 0:
+            return
+        streamers = [s for s in self.streamers() if s.execution_device.type == "cuda"]
+        units = [u for s in streamers for u in s.streamed] + [s.core for s in streamers]
+        for unit in units:
+            if unit.pinned is not None or unit.on_device or not unit.nbytes or not self.pins.take(unit.span):
+                continue
+            buffer = host_memory.pinned_buffer(unit.span)
+            if not buffer.pinned:
+                buffer.free()
+                self.pins.give(unit.span)
+                self.pins.total = self.pins.used
+                logger.info("offload=block: the OS refused to pin more weights (%d MiB pinned); the rest is copied "
+                            "through the staging buffers.", self.pins.used >> 20)
+                return
+            unit.pin_home(buffer, self.pins)
 
     def execution_device(self, name: str) -> torch.device:
         module = self.components.get(name)
@@ -298,13 +341,8 @@ class Offloader:
         return total
 
     def pinned_bytes(self) -> int:
-        """Page-locked host bytes this offloader holds (offload ``block``'s streaming), 0 otherwise."""
-        transformer = self.components.get("transformer")
-        total = 0
-        for hook in _hooks(transformer) if transformer is not None else ():
-            if isinstance(hook, BlockStreamer):
-                total += hook.pinned_bytes()
-        return total
+        """Page-locked host bytes this offloader holds (offload ``block``: pinned homes and staging buffers)."""
+        return sum(s.pinned_bytes() for s in self.streamers())
 
     def resident(self) -> List[str]:
         """Names of components with weights on a non-CPU, non-meta device (diagnostics and tests)."""
@@ -393,14 +431,18 @@ def _aligned(n: int) -> int:
 
 
 class StreamUnit:
-    """The tensors of one placement unit (a DiT block, or the DiT's non-block weights plus the resident
-    blocks) with their CPU home tensors. ``onload`` points the modules at device copies (for a streamed
-    block: views into a buffer of its streamer's :class:`BlockRing`), ``offload`` back at the homes;
-    the homes never move and are never copied on the host except into the ring's staging buffers."""
+    """The tensors of one placement unit (a streamed block, or the non-block weights plus the resident
+    blocks) with their CPU home tensors. ``onload`` points the modules at device copies (views into a
+    buffer of its streamer's :class:`BlockRing`), ``offload`` back at the homes. The homes never move
+    and are copied on the host only into the ring's staging buffers, except once: :meth:`pin_home`
+    moves them into a page-locked buffer laid out as in the ring, from which the device then copies
+    directly (one copy per unit, no host memcpy)."""
 
-    def __init__(self, label: str, modules: Iterable[nn.Module], ring: Optional["BlockRing"] = None):
+    def __init__(self, label: str, modules: Iterable[nn.Module], ring: Optional["BlockRing"] = None,
+                 whole: bool = False):
         self.label = label
         self.ring = ring
+        self.whole = whole  # a buffer of its own for the stage (resident weights), not a ring slot
         self.slots = []  # (module, name, is_parameter, cpu tensor)
         self.offsets = []  # byte offset of each tensor in a ring buffer
         span = 0
@@ -415,7 +457,9 @@ class StreamUnit:
         self.nbytes = sum(t.numel() * t.element_size() for *_, t in self.slots)
         self.span = span  # bytes this unit takes in a ring buffer
         self.on_device = False
-        self.buffer: Optional["_DeviceSlot"] = None  # the ring buffer holding this unit while on the device
+        self.buffer: Optional["_DeviceSlot"] = None  # the device buffer holding this unit while on the device
+        self.pinned = None  # host_memory.PinnedBuffer holding the homes (ring layout), or None
+        self._budget = None  # the host_memory.PinBudget that granted ``pinned``
 
     @staticmethod
     def _set(module: nn.Module, name: str, is_param: bool, tensor: torch.Tensor) -> None:
@@ -430,13 +474,49 @@ class StreamUnit:
             n = home.numel() * home.element_size()
             yield module, name, is_param, home, flat[off:off + n].view(home.dtype).view(home.shape)
 
+    def fill(self, staging: torch.Tensor, lo: int = 0, hi: Optional[int] = None) -> None:
+        """Copy bytes ``[lo, hi)`` of this unit's ring layout from the homes into ``staging[:hi - lo]``
+        (alignment padding is left as it is)."""
+        hi = self.span if hi is None else hi
+        for (*_, home), off in zip(self.slots, self.offsets):
+            n = home.numel() * home.element_size()
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                src = home.reshape(-1).view(torch.uint8)  # a non-contiguous home is gathered first
+                staging[a - lo:b - lo].copy_(src[a - off:b - off])
+
+    def pin_home(self, buffer, budget=None) -> None:
+        """Move the homes into ``buffer`` (a host_memory.PinnedBuffer of ``span`` bytes; ``budget``
+        granted it): from now on the modules, when home, point into it."""
+        self.fill(buffer.tensor)
+        moved = []
+        for module, name, is_param, home, view in self.views(buffer.tensor):
+            moved.append((module, name, is_param, view))
+            if not self.on_device:
+                self._set(module, name, is_param, view)
+        self.slots, self.pinned, self._budget = moved, buffer, budget
+
+    def unpin(self) -> None:
+        """Unlock the pinned homes. They stay where they are, as pageable memory: nothing is copied and
+        the modules keep their weights."""
+        if self.pinned is None:
+            return
+        self.pinned.free()
+        if self._budget is not None:
+            self._budget.give(self.span)
+        self.pinned, self._budget = None, None
+
     def onload(self, device: torch.device, streams: Optional["CudaStreams"] = None) -> None:
         """Copy to ``device``: through the ring (asynchronously when ``streams`` is given: the staging
-        thread fills a pinned buffer and starts the copy on the side stream), else in order with compute."""
+        thread copies from the pinned home, or fills a pinned staging buffer, and starts the copy on the
+        side stream), else in order with compute."""
         if self.on_device:
             return
         if self.ring is not None and device.type != "cpu":
-            self.ring.load(self, device, streams)
+            if self.whole:
+                self.ring.load_whole(self, device, streams)
+            else:
+                self.ring.load(self, device, streams)
         else:
             for module, name, is_param, home in self.slots:
                 self._set(module, name, is_param, home.to(device))
@@ -528,12 +608,14 @@ class _HostSlot:
 
 
 class BlockRing:
-    """Fixed memory for the streamed DiT blocks of offload ``block``.
+    """Fixed memory for the streamed blocks of offload ``block``.
 
-    ``slots`` device buffers of ``slot_bytes`` (the largest streamed block) that the blocks take in
-    turn, and as many pinned staging buffers of the same, exact size. A block goes home (mmap'd or
-    pageable) -> staging buffer (a host copy) -> device buffer (an asynchronous copy on the side
-    stream). With streams, both copies run on one staging thread, so the Python thread that queues the
+    ``slots`` device buffers of ``slot_bytes`` (the largest block) that the blocks take in turn, and as
+    many pinned staging buffers of the same, exact size. A block goes home (mmap'd or pageable) ->
+    staging buffer (a host copy) -> device buffer (an asynchronous copy on the side stream); a block
+    with a pinned home (:meth:`StreamUnit.pin_home`) skips the staging buffer. The resident weights
+    (:meth:`load_whole`) get a device buffer of their own for the stage and go through the same
+    staging buffers in slot-size chunks, on the same thread and stream. With streams, both copies run on one staging thread, so the Python thread that queues the
     DiT's kernels never copies weights and stays ahead of the GPU: while block j computes, the thread
     fills the next staging buffer and starts its copy. Events keep each buffer from being overwritten
     early:
@@ -546,15 +628,15 @@ class BlockRing:
     - compute waits for the staging job (on the host) and then for the copy into the buffer (``ready``,
       on the GPU) before the block runs.
 
-    Device buffers are allocated at a stage's first streamed block and dropped at its end; staging
-    buffers (and the staging thread) live as long as the hook (they are the pinned bytes the pipeline
-    reports).
+    Device buffers are allocated at a stage's first load and dropped at its end; staging buffers
+    (allocated at the first load that needs one) and the staging thread live as long as the hook.
     """
 
     def __init__(self, slot_bytes: int, slots: int):
         self.slot_bytes = slot_bytes
         self.slots = slots
         self.device_slots: List[_DeviceSlot] = []
+        self.whole_slots: List[_DeviceSlot] = []  # the resident weights' buffers (this stage)
         self.host_slots: List[_HostSlot] = []
         self.running: Optional[StreamUnit] = None  # the block computing now: its buffer is never taken
         self.streams = None  # the CudaStreams of the last asynchronous load
@@ -588,25 +670,50 @@ class BlockRing:
                 return slot
         raise RuntimeError("offload=block: every device buffer of the ring is in use (a block ran inside another).")
 
-    def _host_slot(self) -> _HostSlot:
-        if not self.host_slots:
+    def _host_slots(self) -> List[_HostSlot]:
+        if not self.host_slots:  # on the compute thread, before any job that uses them is submitted
             self.host_slots = [_HostSlot(host_memory.pinned_buffer(self.slot_bytes)) for _ in range(self.slots)]
-        host = self.host_slots[self._next_host]
+        return self.host_slots
+
+    def _host_slot(self) -> _HostSlot:
+        host = self._host_slots()[self._next_host]
         self._next_host = (self._next_host + 1) % self.slots
         return host
 
+    def _submit(self, streams, fn, *args) -> Future:
+        self.streams = streams
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
+        return self._worker.submit(fn, self, streams, *args)
+
     def load(self, unit: StreamUnit, device: torch.device, streams=None) -> None:
         slot = self._device_slot(device, streams)  # allocated here, on the compute stream's thread
-        host = self._host_slot()
+        host = self._host_slot() if unit.pinned is None else None
         if streams is None:  # no streams (a CPU run on the fake device): copy now, in order with compute
-            _fill(self, unit, host.pinned.tensor)
-            slot.buffer[:unit.span].copy_(host.pinned.tensor[:unit.span])
+            slot.buffer[:unit.span].copy_(_source(self, unit, host))
         else:
-            self.streams = streams
-            if self._worker is None:
-                self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lingbot-staging")
             done, slot.done = slot.done, None
-            slot.pending = self._worker.submit(_stage, self, streams, unit, host, slot, done)
+            slot.pending = self._submit(streams, _stage, unit, host, slot, done)
+        self._point(unit, slot)
+
+    def load_whole(self, unit: StreamUnit, device: torch.device, streams=None) -> None:
+        """``unit`` into a device buffer of its own (until the stage ends), copied in chunks of
+        ``slot_bytes`` through the staging buffers, or at once from its pinned home; with ``streams``
+        on the staging thread, as the blocks are (the per-tensor copies it replaces were synchronous)."""
+        slot = _DeviceSlot(torch.empty(unit.span, dtype=torch.uint8, device=device))
+        self.whole_slots.append(slot)
+        if unit.pinned is None:
+            self._host_slots()
+        if streams is None:
+            _stage_whole(self, None, unit, slot, None)
+        else:
+            allocated = streams.event()  # memory the compute stream may still be reading (stream-ordered reuse)
+            streams.record_compute(allocated)
+            slot.pending = self._submit(streams, _stage_whole, unit, slot, allocated)
+        self._point(unit, slot)
+
+    @staticmethod
+    def _point(unit: StreamUnit, slot: _DeviceSlot) -> None:
         for module, name, is_param, _, view in unit.views(slot.buffer):
             StreamUnit._set(module, name, is_param, view)
         slot.unit, unit.buffer = unit, slot
@@ -629,7 +736,7 @@ class BlockRing:
         A barrier: besides each buffer's own job, a no-op is run through the single staging thread, so every
         job submitted before it has queued its copy (also one whose handle was lost), and only then is the
         side stream synchronised."""
-        for slot in self.device_slots:
+        for slot in self.device_slots + self.whole_slots:
             slot.settle(reraise=False)
         if self._worker is not None:
             self._worker.submit(_barrier).result()
@@ -642,6 +749,9 @@ class BlockRing:
         if slot is None:
             return
         slot.settle(reraise=False)  # a prefetch that never ran must finish before the buffer is reused
+        if slot in self.whole_slots:  # not reused within the stage; dropped by release_device
+            slot.ready, slot.unit = None, None
+            return
         if self.streams is not None:
             done = self.streams.event()
             self.streams.record_compute(done)
@@ -653,10 +763,10 @@ class BlockRing:
 
     def release_device(self) -> None:
         """Drop the device buffers (stage end; the side stream has been synchronised)."""
-        for slot in self.device_slots:
+        for slot in self.device_slots + self.whole_slots:
             if slot.unit is not None:
                 slot.unit.offload()
-        self.device_slots = []
+        self.device_slots, self.whole_slots = [], []
         self._next_device = 0
 
     def release_host(self) -> None:
@@ -676,79 +786,140 @@ def _barrier() -> None:
     """A staging-thread job that does nothing: once it has run, every job submitted before it has."""
 
 
-def _fill(ring: BlockRing, unit: StreamUnit, staging: torch.Tensor) -> None:
-    t0 = time.perf_counter()
-    for *_, home, view in unit.views(staging):
-        view.copy_(home)
-    ring.stats["host_copy_s"] += time.perf_counter() - t0
+def _counted(ring: BlockRing, unit: StreamUnit) -> None:
     ring.stats["bytes"] += unit.nbytes
     ring.stats["copies"] += 1
 
 
-def _stage(ring: BlockRing, streams, unit: StreamUnit, host: _HostSlot, slot: _DeviceSlot, done) -> None:
-    """The staging thread's job: fill ``host``'s pinned buffer with ``unit`` and copy it into ``slot``
-    on the side stream. Jobs run one at a time, in submission order."""
-    if host.copied is not None:
+def _source(ring: BlockRing, unit: StreamUnit, host: Optional[_HostSlot]) -> torch.Tensor:
+    """The host bytes to copy ``unit`` from: its pinned home, or ``host``'s staging buffer filled now."""
+    _counted(ring, unit)
+    if host is None:
+        return unit.pinned.tensor[:unit.span]
+    t0 = time.perf_counter()
+    unit.fill(host.pinned.tensor)
+    ring.stats["host_copy_s"] += time.perf_counter() - t0
+    return host.pinned.tensor[:unit.span]
+
+
+def _stage(ring: BlockRing, streams, unit: StreamUnit, host: Optional[_HostSlot], slot: _DeviceSlot, done) -> None:
+    """The staging thread's job: copy ``unit`` into ``slot`` on the side stream, from its pinned home or
+    through ``host``'s staging buffer. Jobs run one at a time, in submission order."""
+    if host is not None and host.copied is not None:
         streams.host_waits(host.copied)  # the copy out of this staging buffer, two blocks ago, has finished
         host.copied = None
-    staging = host.pinned.tensor
-    _fill(ring, unit, staging)
+    src = _source(ring, unit, host)
     if done is not None:
         streams.side_waits(done)  # the block that used this device buffer has run
-    streams.copy_on_side(slot.buffer[:unit.span], staging[:unit.span])
+    streams.copy_on_side(slot.buffer[:unit.span], src)
     ready = streams.event()
     streams.record_side(ready)
-    slot.ready = host.copied = ready
+    slot.ready = ready
+    if host is not None:
+        host.copied = ready
+
+
+def _stage_whole(ring: BlockRing, streams, unit: StreamUnit, slot: _DeviceSlot, done) -> None:
+    """:meth:`BlockRing.load_whole`'s job (``streams`` None: a synchronous copy, in order with compute).
+    Chunks alternate between the staging buffers, each refilled once its last copy has finished."""
+    if streams is not None and done is not None:
+        streams.side_waits(done)
+    if unit.pinned is not None:
+        chunks = [(0, unit.span, None)]
+    else:
+        step = ring.slot_bytes
+        chunks = [(lo, min(lo + step, unit.span), ring.host_slots[i % len(ring.host_slots)])
+                  for i, lo in enumerate(range(0, unit.span, step))]
+    ready = None
+    for lo, hi, host in chunks:
+        if host is None:
+            src = unit.pinned.tensor[lo:hi]
+        else:
+            if host.copied is not None and streams is not None:
+                streams.host_waits(host.copied)
+                host.copied = None
+            t0 = time.perf_counter()
+            unit.fill(host.pinned.tensor, lo, hi)
+            ring.stats["host_copy_s"] += time.perf_counter() - t0
+            src = host.pinned.tensor[:hi - lo]
+        if streams is None:
+            slot.buffer[lo:hi].copy_(src)
+            continue
+        streams.copy_on_side(slot.buffer[lo:hi], src)
+        ready = streams.event()
+        streams.record_side(ready)
+        if host is not None:
+            host.copied = ready
+    _counted(ring, unit)
+    slot.ready = ready
+
+
+def dit_blocks(module: nn.Module) -> Sequence[nn.Module]:
+    return module.blocks
 
 
 class BlockStreamer(ModelHook):
-    """Offload mode ``block`` for the DiT, as an accelerate hook on the transformer.
+    """Offload mode ``block`` for a model made of a stack of blocks, as an accelerate hook on the model:
+    the DiT (its ``blocks``) and the text encoder (its decoder layers).
 
-    At the DiT's forward, its non-block weights and the first ``blocks_on_gpu`` blocks go to the
-    execution device (they stay until the stage ends). Each other block has its own hook: before it
-    runs, its copy is awaited (or made) and the next streamed block's copy is started by the ring's
-    staging thread; after it runs, it goes home. Streamed blocks live in the fixed buffers of a
-    :class:`BlockRing`, so at most ``blocks_on_gpu + 2`` blocks are resident and only the ring's
-    staging buffers are pinned. After the last block the first streamed block is prefetched for the
-    next forward (the next CFG branch or step) unless the stage said this was its last forward
-    (``forwards_left``, :meth:`Offloader.expect_forwards`); :meth:`offload_all` (every stage reset)
-    drops everything on the device.
+    At the model's forward, its non-block weights and the first ``blocks_on_gpu`` blocks (the core unit)
+    go to the execution device, through the ring's staging path (they stay until the stage ends). Each
+    other block has its own hook: before it runs, its copy is awaited (or made) and the next streamed
+    block's copy is started by the ring's staging thread; after it runs, it goes home. Streamed blocks
+    live in the fixed buffers of a :class:`BlockRing`, so at most ``blocks_on_gpu + 2`` blocks are
+    resident. After the last block the first streamed block is prefetched for the next forward (the next
+    CFG branch or step) unless the stage said this was its last forward (``forwards_left``,
+    :meth:`Offloader.expect_forwards`); :meth:`offload_all` (every stage reset) drops everything on the
+    device. Units whose homes were pinned (:meth:`Offloader.stage`, within its :class:`PinBudget`) are
+    copied from there directly; :meth:`unpin_homes` (hook removed) unlocks them.
 
     On a CPU execution device the "copies" are the CPU tensors themselves and neither the ring nor a
     stream is used, so the numbers are those of the unhooked model. ``streams`` is None off CUDA
     (the fake device of the tests then copies in order, or the tests set a recording stand-in).
     """
 
-    def __init__(self, execution_device: torch.device, blocks_on_gpu: int):
+    def __init__(self, execution_device: torch.device, blocks_on_gpu: int,
+                 blocks: Callable[[nn.Module], Sequence[nn.Module]] = dit_blocks):
         self.execution_device = execution_device
         self.blocks_on_gpu = blocks_on_gpu
+        self.blocks = blocks
         self.core: Optional[StreamUnit] = None
         self.streamed: List[StreamUnit] = []
         self.ring: Optional[BlockRing] = None
         self.streams = None
-        self.forwards_left: Optional[int] = None  # DiT forwards the stage still makes (None: unknown)
+        self.forwards_left: Optional[int] = None  # forwards the stage still makes (None: unknown)
         # Called before each streamed block (the host's cancel check, e.g. ComfyUI's interrupt): it raises to
         # stop the stage. Set per stage (Offloader.set_interrupt), cleared at every reset.
         self.interrupt: Optional[Callable[[], None]] = None
 
     def init_hook(self, module):
-        blocks = list(module.blocks)
+        blocks = list(self.blocks(module))
         k = min(self.blocks_on_gpu, len(blocks))
         in_blocks = {id(m) for b in blocks for m in b.modules()}
         outside = [m for m in module.modules() if id(m) not in in_blocks]
         resident = outside + [m for b in blocks[:k] for m in b.modules()]
-        self.core = StreamUnit("core", resident)
-        self.streamed = [StreamUnit(f"block{i}", b.modules()) for i, b in enumerate(blocks) if i >= k]
-        if self.streamed:
-            self.ring = BlockRing(max(u.span for u in self.streamed), min(RING_SLOTS, len(self.streamed)))
-            for unit in self.streamed:
-                unit.ring = self.ring
+        units = [StreamUnit(f"block{i}", b.modules()) for i, b in enumerate(blocks)]
+        self.streamed = units[k:]
+        # The ring's buffers are one block each (the largest); its staging buffers also carry the core.
+        slot = max((u.span for u in units), default=0)
+        self.ring = BlockRing(slot, max(1, min(RING_SLOTS, len(self.streamed)))) if slot else None
+        self.core = StreamUnit("core", resident, ring=self.ring, whole=True)
+        for unit in self.streamed:
+            unit.ring = self.ring
         for j, block in enumerate(blocks[k:]):
             add_hook_to_module(block, _StreamedBlockHook(self, j))
         return module
 
+    def units(self) -> List[StreamUnit]:
+        return [u for u in (self.core, *self.streamed) if u is not None]
+
     def pinned_bytes(self) -> int:
-        return self.ring.pinned_bytes() if self.ring is not None else 0
+        homes = sum(u.pinned.nbytes for u in self.units() if u.pinned is not None and u.pinned.pinned)
+        return homes + (self.ring.pinned_bytes() if self.ring is not None else 0)
+
+    def unpin_homes(self) -> None:
+        for unit in self.units():
+            unit.unpin()
 
     def _streams(self):
         if self.streams is None and self.execution_device.type == "cuda" and torch.cuda.is_available():
@@ -758,9 +929,10 @@ class BlockStreamer(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         if self.forwards_left is not None:
             self.forwards_left -= 1
-        self.core.onload(self.execution_device)
+        self.core.onload(self.execution_device, self._streams())
         if self.streamed:
             self.streamed[0].onload(self.execution_device, self._streams())
+        self.core.wait()
         return send_to_device(args, self.execution_device), send_to_device(kwargs, self.execution_device)
 
     def before_block(self, j: int) -> None:
@@ -788,9 +960,8 @@ class BlockStreamer(ModelHook):
     def offload_all(self) -> None:
         if self.ring is not None:
             self.ring.drain()
-        for unit in [self.core, *self.streamed]:
-            if unit is not None:
-                unit.offload()
+        for unit in self.units():
+            unit.offload()
         self.forwards_left = None
         self.interrupt = None
         if self.ring is not None:
@@ -801,6 +972,7 @@ class BlockStreamer(ModelHook):
         self.offload_all()
         if self.ring is not None:
             self.ring.release_host()
+        self.unpin_homes()
         return module
 
 
