@@ -28,6 +28,7 @@ from .memory.offload import Offloader, check_blocks_on_gpu, check_offload_mode, 
 from .memory.placement import check_component_devices
 from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .model.block_compile import FirstStepsTimer
+from .model.transformer import converted_bytes
 from .sampling.context_windows import DEFAULT_OVERLAP, REFINER_CONTEXT_FRAMES, ContextWindows, check_context
 from .sampling.sampler import StepCallback, sample
 from .sampling.scheduling import (
@@ -186,6 +187,7 @@ class LingbotPipeline:
         )
         # ``devices``: optional {"text_encoder"/"vae": device} overrides (placement.py); the DiT uses ``device``.
         self.offloader.apply(offload, resolve_device(device), check_component_devices(devices))
+        self._log_vram_bound()
         self.speed = SpeedOptions()
         self._compile_pending = False
         self.set_speed(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
@@ -237,6 +239,24 @@ class LingbotPipeline:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
         self.offloader.apply(mode, self.offloader.device if device is None else resolve_device(device),
                              None if devices is None else check_component_devices(devices))
+        self._log_vram_bound()
+
+    def vram_bound(self) -> Optional[int]:
+        """Under offload ``block``: the most device bytes the DiT's weights take while it denoises: its
+        resident part, the ring's buffers, and the largest block's converted copies (GGUF dequantized expert
+        stacks and workspace, fp8 casts: :func:`converted_bytes`). Activations come on top. None otherwise."""
+        streamer = self.offloader.streamer("transformer")
+        if streamer is None:
+            return None
+        dtype = self.transformer.compute_dtype
+        converted = max((converted_bytes(b, dtype) for b in self.transformer.blocks), default=0)
+        return streamer.device_buffer_bytes() + converted
+
+    def _log_vram_bound(self) -> None:
+        bound = self.vram_bound()
+        if bound is not None and self.offloader.execution_device("transformer").type == "cuda":
+            logger.info("LingBot-Video: offload 'block' (%d blocks on the GPU): the DiT's weights take at most %.2f GiB "
+                        "of VRAM while it denoises (activations come on top).", self.blocks_on_gpu, bound / 2 ** 30)
 
     def set_speed(self, *, attention: Optional[str] = None, compile_blocks: Optional[bool] = None,
                   cfg_lockstep: Optional[bool] = None) -> None:

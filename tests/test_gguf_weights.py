@@ -153,3 +153,68 @@ def test_a_lockstep_block_call_dequantizes_each_stack_once_for_both_branches():
     assert experts._held is None  # dropped after the call
     for a, b in zip(both, alone):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_dequantize_workspace_stays_within_its_stated_bound(kind):
+    """Issue 31 item 5 (the VRAM bound): the temporaries of one dequantization beyond its output, measured by
+    a dispatch mode that follows every storage (``LiveBytes``), stay within ``workspace_bytes`` for a
+    chunked bf16 dequantization (4 chunks) and an unchunked fp32 one."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_transformer import LiveBytes
+
+    rng = np.random.default_rng(11)
+    raw = torch.from_numpy(random_blocks(kind, 256, 1024, rng))
+    small = gguf_weights._CHUNK_ELEMENTS
+    try:
+        gguf_weights._CHUNK_ELEMENTS = 1 << 16  # 64 rows a chunk: four chunks
+        for dtype in (torch.bfloat16, torch.float32):
+            with LiveBytes() as live:
+                out = gguf_weights.dequantize(raw, kind, dtype)
+            beyond = live.peak - out.numel() * out.element_size()
+            bound = gguf_weights.workspace_bytes(out.numel(), dtype)
+            assert beyond <= bound, (dtype, beyond, bound)
+            if dtype == torch.bfloat16:  # the case the GPU runs: a bound, and not a loose one
+                assert beyond > 0.6 * bound, (beyond, bound)
+    finally:
+        gguf_weights._CHUNK_ELEMENTS = small
+
+
+def test_converted_bytes_bounds_what_a_gguf_block_call_adds_on_the_device():
+    """Issue 31 item 5 (the VRAM bound): a lockstep two-branch call of a GGUF MoE block holds its three
+    dequantized stacks at once, and adds no more than ``converted_bytes`` over the same call of the block
+    with plain bf16 stacks (both measured with ``LiveBytes``: what the block's activations take cancels)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_transformer import LiveBytes
+
+    from lingbot_core.model.transformer import converted_bytes, rope_frequencies, rope_position_ids
+
+    block = _gguf_moe_block("Q8_0")
+    experts = block.ffn.experts
+    g = torch.Generator().manual_seed(1)
+    grid, text_len = (1, 2, 3), 4
+    freqs = rope_frequencies(rope_position_ids(grid, text_len), (8, 12, 12), 256.0)
+    xs = [torch.randn(1, 6 + text_len, 64, generator=g) for _ in range(2)]
+    temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
+    bound = converted_bytes(block, torch.bfloat16)
+    stack_bytes = sum(gguf_weights.dequantize(getattr(experts, n), "Q8_0", torch.bfloat16).nbytes for n in ("w1", "w2", "w3"))
+    with torch.no_grad():
+        with LiveBytes() as live:
+            block(xs, temb6, [freqs, freqs], torch.bfloat16)
+        gguf_peak = live.peak
+        for name in ("w1", "w2", "w3"):  # the same block with plain bf16 stacks: nothing to convert
+            setattr(experts, name, torch.nn.Parameter(gguf_weights.dequantize(getattr(experts, name), "Q8_0", torch.bfloat16),
+                                                      requires_grad=False))
+        experts.qtypes = {}
+        assert converted_bytes(block, torch.bfloat16) == 0
+        with LiveBytes() as live:
+            block(xs, temb6, [freqs, freqs], torch.bfloat16)
+        plain_peak = live.peak
+    assert stack_bytes <= gguf_peak - plain_peak <= bound
+    assert bound < 2 * stack_bytes + gguf_weights.workspace_bytes(8 * 64 * 64, torch.bfloat16)

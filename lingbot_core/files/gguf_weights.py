@@ -28,6 +28,10 @@ PLAIN_TYPE_NAMES = ("F32", "F16", "BF16")
 # fp32 elements dequantized at a time for a large tensor (bounds the fp32 temporary to 256 MiB when the
 # weight is wanted in bf16; a full-width 30B-A3B expert stack, 128 x 768 x 2048, takes 3 chunks).
 _CHUNK_ELEMENTS = 1 << 26
+# Temporaries of one dequantization beyond its output, per element dequantized at once (the fp32 values,
+# the unpacked fields and scales): at most 12.5 bytes (Q2_K; Q8_0 8.1, Q4_K 9.3, Q6_K 10.5), measured
+# by tests/test_gguf_weights.py. A chunk of 64M elements therefore holds up to 0.8 GiB while it forms.
+WORKSPACE_BYTES_PER_ELEMENT = 13
 
 
 def _gguf():
@@ -260,6 +264,13 @@ def dequantize(raw: torch.Tensor, qtype, dtype: torch.dtype = torch.float32,
     for lo in range(0, rows, step):
         out[lo:lo + step] = _dequantize_flat(flat[lo:lo + step].reshape(-1), qtype).reshape(-1, cols)
     return out.reshape(shape)
+
+
+def workspace_bytes(numel: int, dtype: torch.dtype) -> int:
+    """Device bytes one :func:`dequantize` of ``numel`` elements into ``dtype`` holds besides its output
+    (an upper bound: chunked unless the target is fp32)."""
+    at_once = numel if dtype == torch.float32 else min(numel, _CHUNK_ELEMENTS)
+    return WORKSPACE_BYTES_PER_ELEMENT * at_once
 
 
 def quantized_bytes(module: torch.nn.Module) -> int:

@@ -216,7 +216,8 @@ class Offloader:
             out += [h for h in (_hooks(module) if module is not None else ()) if isinstance(h, BlockStreamer)]
         return out
 
-    def _streamer(self, name: str) -> Optional[BlockStreamer]:
+    def streamer(self, name: str) -> Optional[BlockStreamer]:
+        """The :class:`BlockStreamer` of component ``name`` (offload ``block``), else None."""
         module = self.components.get(name)
         return next((h for h in _hooks(module) if isinstance(h, BlockStreamer)), None) if module is not None else None
 
@@ -224,7 +225,7 @@ class Offloader:
         """The forwards of ``component`` the running stage will make (None: unknown). Offload ``block``
         then does not prefetch the first block after the last forward's last block (a copy nothing would
         use)."""
-        streamer = self._streamer(component)
+        streamer = self.streamer(component)
         if streamer is not None:
             streamer.forwards_left = n
 
@@ -232,7 +233,7 @@ class Offloader:
         """``check()`` (it raises to cancel, e.g. ComfyUI's interrupt) runs before each streamed DiT block of
         the running stage under offload ``block``: a long step is cancelled between blocks, not only between
         steps. The copies in flight are drained before the exception leaves; the stage's reset clears it."""
-        streamer = self._streamer("transformer")
+        streamer = self.streamer("transformer")
         if streamer is not None:
             streamer.interrupt = check
 
@@ -912,6 +913,12 @@ class BlockStreamer(ModelHook):
 
     def units(self) -> List[StreamUnit]:
         return [u for u in (self.core, *self.streamed) if u is not None]
+
+    def device_buffer_bytes(self) -> int:
+        """Device bytes this streamer's weights take at most during a stage: the resident part's buffer and
+        the ring's buffers (what is converted from them while a block runs comes on top)."""
+        ring = self.ring.slots * self.ring.slot_bytes if self.ring is not None and self.streamed else 0
+        return (self.core.span if self.core is not None else 0) + ring
 
     def pinned_bytes(self) -> int:
         homes = sum(u.pinned.nbytes for u in self.units() if u.pinned is not None and u.pinned.pinned)

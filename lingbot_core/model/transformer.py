@@ -351,6 +351,40 @@ class Experts(nn.Module):
             self._held = None
 
 
+def converted_bytes(block: nn.Module, dtype: torch.dtype) -> int:
+    """Device bytes that converted copies of ``block``'s stored weights (GGUF blocks, fp8) take at once
+    while it computes in ``dtype``, beyond the stored weights: a block call holds its whole converted
+    expert stacks for both CFG branches (:meth:`Experts.holding_stacks`), a Linear converts its weight per
+    call (one at a time), and a GGUF dequantization adds its workspace while a chunk forms. 0 for weights
+    stored in ``dtype``. Offload ``block``'s VRAM bound adds this for the largest block (as ComfyUI-GGUF
+    reserves its largest layer's dequantized weight)."""
+    size = torch.empty(0, dtype=dtype).element_size()
+    stacks = linear = largest_gguf = 0
+    for m in block.modules():
+        if isinstance(m, Experts):
+            for name in ("w1", "w3", "w2"):
+                t = getattr(m, name)
+                if name in m.qtypes:
+                    n = math.prod(gguf_weights.logical_shape(t.shape, m.qtypes[name]))
+                    largest_gguf = max(largest_gguf, n)
+                elif getattr(m, f"scale_{name}") is not None or t.dtype != dtype:
+                    n = t.numel()
+                else:
+                    continue
+                stacks += n * size
+        elif isinstance(m, Linear) and m.weight is not None:
+            if m.weight_qtype is not None:
+                n = math.prod(gguf_weights.logical_shape(m.weight.shape, m.weight_qtype))
+                largest_gguf = max(largest_gguf, n)
+            elif m.scale_weight is not None or (is_fp8(m.weight.dtype) and m.weight.dtype != dtype):
+                n = m.weight.numel()
+            else:
+                continue
+            linear = max(linear, n * size)
+    workspace = gguf_weights.workspace_bytes(largest_gguf, dtype) if largest_gguf else 0
+    return stacks + linear + workspace
+
+
 def _use_grouped_mm(x: torch.Tensor, hidden: int) -> bool:
     """The dispatch for tokens ``x`` (N, D) and experts of width ``hidden`` (``precision.use_grouped_mm``)."""
     return use_grouped_mm(x.device, x.shape[0], x.shape[-1], hidden)
