@@ -183,7 +183,7 @@ def test_dequantize_workspace_stays_within_its_stated_bound(kind):
         gguf_weights._CHUNK_ELEMENTS = small
 
 
-def test_converted_bytes_bounds_what_a_gguf_block_call_adds_on_the_device():
+def test_converted_bytes_bounds_what_a_gguf_block_call_adds_on_the_device(monkeypatch):
     """Issue 31 item 5 (the VRAM bound): a lockstep two-branch call of a GGUF MoE block holds its three
     dequantized stacks at once, and adds no more than ``converted_bytes`` over the same call of the block
     with plain bf16 stacks (both measured with ``LiveBytes``: what the block's activations take cancels)."""
@@ -202,6 +202,7 @@ def test_converted_bytes_bounds_what_a_gguf_block_call_adds_on_the_device():
     freqs = rope_frequencies(rope_position_ids(grid, text_len), (8, 12, 12), 256.0)
     xs = [torch.randn(1, 6 + text_len, 64, generator=g) for _ in range(2)]
     temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
+    monkeypatch.setattr(gguf_weights, "_CHUNK_ELEMENTS", 1 << 12)  # stacks of 8 chunks: the stacks dominate the workspace
     bound = converted_bytes(block, torch.bfloat16)
     stack_bytes = sum(gguf_weights.dequantize(getattr(experts, n), "Q8_0", torch.bfloat16).nbytes for n in ("w1", "w2", "w3"))
     with torch.no_grad():
@@ -217,4 +218,4 @@ def test_converted_bytes_bounds_what_a_gguf_block_call_adds_on_the_device():
             block(xs, temb6, [freqs, freqs], torch.bfloat16)
         plain_peak = live.peak
     assert stack_bytes <= gguf_peak - plain_peak <= bound
-    assert bound < 2 * stack_bytes + gguf_weights.workspace_bytes(8 * 64 * 64, torch.bfloat16)
+    assert bound < 1.5 * stack_bytes
