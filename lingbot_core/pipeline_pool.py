@@ -34,6 +34,7 @@ from .loading import (
     default_dtypes, load_pipeline,
 )
 from .model.lora import LoraStack, check_strength, describe_stack
+from .memory.host_memory import pinned_homes_budget
 from .memory.budget import (
     MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
@@ -177,6 +178,14 @@ class PipelinePool:
                                                 text_encoder_file=files.get("text_encoder"))
         return self._pins[spec]
 
+    def placing_pins(self, spec: PipelineSpec) -> int:
+        """Page-locked bytes offload ``block`` may take for ``spec`` on CUDA, what the host is told before
+        placement (ComfyUI's ``pins_required``): the staging buffers and, within the pin budget, the pinned
+        homes (at most the weights themselves)."""
+        if torch.device(spec.device).type != "cuda":
+            return 0
+        return self.pin_bytes(spec) + min(pinned_homes_budget(), self.weight_bytes(spec))
+
     def _held(self) -> int:
         """RAM the loaded pipelines take: their weights, plus the pins of those in offload ``block``."""
         return sum(self._bytes.get(s, 0) + (self.pin_bytes(s) if p.offload == "block" else 0)
@@ -236,7 +245,7 @@ class PipelinePool:
                     raise
         try:
             if pipe.offload != handle.offload or (handle.offload == "block" and pipe.blocks_on_gpu != handle.blocks_on_gpu):
-                self._placing(self.pin_bytes(spec) if handle.offload == "block" else 0)
+                self._placing(self.placing_pins(spec) if handle.offload == "block" else 0)
                 pipe.set_offload(handle.offload, blocks_on_gpu=handle.blocks_on_gpu)
             if pipe.speed != handle.speed:
                 pipe.set_speed(**vars(handle.speed))
@@ -259,7 +268,7 @@ class PipelinePool:
         pins = self.pin_bytes(spec) if offload == "block" else 0
         need = self.weight_bytes(spec) + pins
         self._make_room(spec, need, "loading its weights" + (" and offload 'block''s pinned staging buffers" if pins else ""))
-        self._placing(pins)
+        self._placing(self.placing_pins(spec) if pins else 0)
         logger.info("LingBot-Video: loading %s (%s of weights, offload=%s, LoRA: %s).", spec.label, format_bytes(need),
                     offload, describe_stack(loras))
         try:

@@ -337,6 +337,39 @@ def test_block_pins_are_counted_in_the_ram_budget(deep_package, monkeypatch):
         pool.handle(deep_package, offload="block", **kw).encode_prompt("a cat", guidance_scale=1.0)
 
 
+@pytest.mark.parametrize("pinned_gb", ["0", "1000", "0.0001"])
+def test_the_host_is_told_the_staging_buffers_and_the_pinned_homes_before_placement(deep_package, monkeypatch, pinned_gb):
+    """Issue 31 item 11: before a ``block`` pipeline is placed on CUDA the host's placing hook (ComfyUI's
+    ``pins_required``) gets the staging buffers plus the homes that the pin budget lets it pin: none with
+    ``LINGBOT_PINNED_GB=0``, every weight with a budget larger than them, the budget itself in between."""
+    import lingbot_core.pipeline_pool as pp
+    from lingbot_core import PipelinePool
+
+    class Reached(Exception):
+        pass
+
+    class Observer:
+        def __init__(self):
+            self.pins = []
+
+        def placing(self, pins):
+            self.pins.append(pins)
+
+    def no_load(*a, **k):
+        raise Reached
+
+    monkeypatch.setenv("LINGBOT_PINNED_GB", pinned_gb)
+    monkeypatch.setattr(pp, "load_pipeline", no_load)
+    pool = PipelinePool(headroom=0)
+    pool.observer = Observer()
+    handle = pool.handle(deep_package, offload="block", device="cuda:0", dtypes={"transformer": "fp32", "text_encoder": "fp32"})
+    with pytest.raises(Reached):
+        handle.encode_prompt("a cat", guidance_scale=1.0)
+    staging, weights = pool.pin_bytes(handle.spec), pool.weight_bytes(handle.spec)
+    homes = {"0": 0, "1000": weights, "0.0001": int(0.0001 * 1024 ** 3)}[pinned_gb]
+    assert staging > 0 and pool.observer.pins == [staging + homes]
+
+
 def test_changing_blocks_on_gpu_on_a_pipeline_already_in_block_mode(deep_package):
     """A loader whose blocks_on_gpu changed gives a new handle on the same loaded weights: the next stage
     streams with the new K (and LazyPipeline.set_offload does the same)."""
