@@ -36,9 +36,9 @@ from .loading import (
 from .model.lora import LoraStack, check_strength, describe_stack
 from .memory.host_memory import pinned_homes_budget
 from .memory.budget import (
-    MIB, available_ram, block_ring_bytes, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
+    MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
-from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device
+from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device, ring_staging_bytes
 from .pipeline import LingbotPipeline
 from .sampling.speed import SpeedOptions
 from .memory.placement import check_component_devices
@@ -173,7 +173,7 @@ class PipelinePool:
             return 0
         if spec not in self._pins:
             dtypes, files = spec.load_dtypes(), spec.files()
-            self._pins[spec] = block_ring_bytes(spec.model_dir, spec.transformer_subfolder, dtypes["transformer"],
+            self._pins[spec] = ring_staging_bytes(spec.model_dir, spec.transformer_subfolder, dtypes["transformer"],
                                                 files["transformer"], text_encoder_dtype=dtypes["text_encoder"],
                                                 text_encoder_file=files.get("text_encoder"))
         return self._pins[spec]

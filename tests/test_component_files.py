@@ -282,7 +282,8 @@ def test_the_wan21_vae_file_fixture_is_the_original_layout(tmp_path):
 
 def test_the_memory_budget_counts_the_three_files_without_a_package(three_files):
     """The pool's RAM and pinned-ring figures come from the files' headers alone when there is no package."""
-    from lingbot_core.memory.budget import block_ring_bytes, package_bytes
+    from lingbot_core.memory.budget import package_bytes
+    from lingbot_core.memory.offload import ring_staging_bytes
     from lingbot_core.pipeline_pool import PipelinePool
 
     files = {"transformer": str(three_files["dit"]), "text_encoder": str(three_files["te"]), "vae": str(three_files["vae"])}
@@ -290,7 +291,7 @@ def test_the_memory_budget_counts_the_three_files_without_a_package(three_files)
     total = package_bytes(None, "transformer", dtypes, files)
     te_and_vae = three_files["te"].stat().st_size + three_files["vae"].stat().st_size
     assert te_and_vae < total < te_and_vae + 4 * three_files["dit"].stat().st_size
-    assert block_ring_bytes(None, "transformer", torch.bfloat16, files["transformer"]) > 0
+    assert ring_staging_bytes(None, "transformer", torch.bfloat16, files["transformer"]) > 0
     pipe = PipelinePool().handle(None, device="cpu", transformer_file=files["transformer"],
                                  text_encoder_file=files["text_encoder"], vae_file=files["vae"])
     assert pipe.spec.model_dir is None and pipe.spec.label.startswith("lingbot-files-dense-Q8_0.gguf")

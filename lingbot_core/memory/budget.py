@@ -12,7 +12,6 @@ import ctypes.util
 import gc
 import logging
 import os
-import re
 import sys
 from pathlib import Path
 from typing import Dict, Optional
@@ -125,10 +124,10 @@ def tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> i
 
     ``keep_fp32(name)`` marks tensors that stay fp32 whatever ``dtype`` is (the DiT's fp32 islands).
     """
-    return sum(_loaded_tensor_bytes(path, dtype, keep_fp32).values())
+    return sum(loaded_tensor_bytes(path, dtype, keep_fp32).values())
 
 
-def _loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> Dict[str, int]:
+def loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=None) -> Dict[str, int]:
     """Bytes of each tensor of ``path`` once loaded (see :func:`tensor_bytes`)."""
     target = torch.empty(0, dtype=dtype).element_size() if dtype is not None else None
     out = {}
@@ -171,51 +170,6 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
         for path in [Path(single)] if single else safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)
     return total
-
-
-def block_ring_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None, *,
-                     text_encoder_dtype: Optional[torch.dtype] = None, text_encoder_file=None) -> int:
-    """Pinned host bytes offload ``block``'s staging buffers take on a CUDA device at most (headers only,
-    no weights read): two per streamer, each as large as its largest block (tensors aligned as in the
-    ring), for the DiT and, with ``text_encoder_dtype``, the text encoder's decoder layers. A GGUF DiT's
-    blocks stream their quantized bytes. Pinned homes (within their own budget) take the homes' place
-    and add nothing."""
-    from ..files.checkpoint_files import safetensors_files
-    from .offload import RING_SLOTS
-    from ..model.transformer import is_fp32_island
-
-    root = None if model_dir is None else Path(model_dir)  # None: the three files alone
-    if transformer_file:
-        from ..model.dit_files import DitFile, loaded_bytes, transformer_config
-
-        dit = DitFile(transformer_file)
-        tables = [loaded_bytes(dit, dtype, transformer_config(root, transformer_subfolder, transformer_file, dit))]
-    else:
-        folder = root / transformer_subfolder
-        tables = [_loaded_tensor_bytes(path, dtype, is_fp32_island)
-                  for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
-    total = RING_SLOTS * _largest_block(tables, _DIT_BLOCK)
-    if text_encoder_dtype is not None:
-        paths = [Path(text_encoder_file)] if text_encoder_file else safetensors_files(root / "text_encoder", "text_encoder", "model")
-        total += RING_SLOTS * _largest_block([_loaded_tensor_bytes(p, text_encoder_dtype) for p in paths], _TEXT_LAYER)
-    return total
-
-
-_DIT_BLOCK = re.compile(r"^blocks\.(\d+)\.")
-_TEXT_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")  # not the vision blocks
-
-
-def _largest_block(tables, pattern) -> int:
-    """The ring bytes of the largest block whose tensor names match ``pattern`` (group 1: its index)."""
-    from .offload import RING_ALIGN
-
-    per_block: Dict[str, int] = {}
-    for table in tables:
-        for name, n in table.items():
-            m = pattern.match(name)
-            if m:
-                per_block[m.group(1)] = per_block.get(m.group(1), 0) + -(-n // RING_ALIGN) * RING_ALIGN
-    return max(per_block.values(), default=0)
 
 
 def format_bytes(n: Optional[int]) -> str:

@@ -24,7 +24,9 @@ stage always runs with exactly its own component resident and leaves nothing beh
 from __future__ import annotations
 
 import logging
+import re
 import time
+from pathlib import Path
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence
@@ -39,6 +41,7 @@ from accelerate.hooks import (
 from accelerate.utils import send_to_device
 
 from . import host_memory
+from .budget import loaded_tensor_bytes
 
 logger = logging.getLogger("lingbot_core")
 
@@ -995,3 +998,48 @@ class _StreamedBlockHook(ModelHook):
     def post_forward(self, module, output):
         self.streamer.after_block(self.index)
         return output
+
+
+# -- what the staging buffers will take, from the checkpoints' headers ------------------------------
+
+
+def ring_staging_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype, transformer_file=None, *,
+                       text_encoder_dtype: Optional[torch.dtype] = None, text_encoder_file=None) -> int:
+    """Pinned host bytes offload ``block``'s staging buffers take on a CUDA device at most (headers only,
+    no weights read): two per streamer, each as large as its largest block (tensors aligned as in the
+    ring), for the DiT and, with ``text_encoder_dtype``, the text encoder's decoder layers. A GGUF DiT's
+    blocks stream their quantized bytes. Pinned homes (within their own budget) take the homes' place
+    and add nothing."""
+    from ..files.checkpoint_files import safetensors_files
+    from ..model.transformer import is_fp32_island
+
+    root = None if model_dir is None else Path(model_dir)  # None: the three files alone
+    if transformer_file:
+        from ..model.dit_files import DitFile, loaded_bytes, transformer_config
+
+        dit = DitFile(transformer_file)
+        tables = [loaded_bytes(dit, dtype, transformer_config(root, transformer_subfolder, transformer_file, dit))]
+    else:
+        folder = root / transformer_subfolder
+        tables = [loaded_tensor_bytes(path, dtype, is_fp32_island)
+                  for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
+    total = RING_SLOTS * _largest_block(tables, _DIT_BLOCK)
+    if text_encoder_dtype is not None:
+        paths = [Path(text_encoder_file)] if text_encoder_file else safetensors_files(root / "text_encoder", "text_encoder", "model")
+        total += RING_SLOTS * _largest_block([loaded_tensor_bytes(p, text_encoder_dtype) for p in paths], _TEXT_LAYER)
+    return total
+
+
+_DIT_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_TEXT_LAYER = re.compile(r"^(?:model\.)?(?:language_model\.)?(?:model\.)?layers\.(\d+)\.")  # not the vision blocks
+
+
+def _largest_block(tables, pattern) -> int:
+    """The ring bytes of the largest block whose tensor names match ``pattern`` (group 1: its index)."""
+    per_block: Dict[str, int] = {}
+    for table in tables:
+        for name, n in table.items():
+            m = pattern.match(name)
+            if m:
+                per_block[m.group(1)] = per_block.get(m.group(1), 0) + -(-n // RING_ALIGN) * RING_ALIGN
+    return max(per_block.values(), default=0)
