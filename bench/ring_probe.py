@@ -1,14 +1,31 @@
 """The offload ``block`` ring, probed (issue 24): what one denoising step costs the host and the GPU.
 
     python -m bench.ring_probe --device cuda                     # 4-layer full-width MoE, 480x832x121
+    python -m bench.ring_probe --device cuda --pinned-gb 64      # the same with every home pinned
     python -m bench.ring_probe --device cpu --layers 2 --height 64 --width 96 --frames 5   # fake device
 
 A MoE DiT of ``--layers`` full-width blocks (128 experts of 768, about 1.2 GB a block in bf16; random
 weights, ``bench.offload.TiledFill``) runs ``--steps`` CFG steps in lockstep (one DiT forward per
 step, two branches) under offload ``block`` with ``blocks_on_gpu`` 0, on random text embeddings (no
-text encoder or VAE: the ring is all that is measured). Per step it reports:
+text encoder or VAE: the ring is all that is measured).
 
-- **host copy s**: seconds the staging thread spent filling pinned buffers (home -> staging);
+``--pinned-gb G`` is the offloader's pin budget (``Offloader(pin_budget=G GiB)``): at the stage start the
+homes of as many units as fit (the streamed blocks first, then the resident weights) move into page-locked
+buffers, and those units are copied to the device straight from there. The default 0 pins no home: every
+unit goes through the ring's two pinned staging buffers (a host memcpy, then the DMA). A budget of at least
+the DiT's size (with RAM to spare: ``PinBudget`` keeps 4 GiB available) pins every home; no staging buffer
+is then allocated, and **host copy s** is 0 by construction (nothing is memcpy'd on the host).
+
+Top level: ``pinned_homes_bytes`` (the units' pinned homes), ``staging_bytes`` (the ring's staging
+buffers, allocated at the first unit that needs one), ``pinned_units`` of ``units``, ``pinned_bytes``
+(the offloader's page-locked total: pinned homes plus the staging buffers that are locked),
+``stage_enter_s`` (entering the stage, where the homes are pinned), and ``memory_mib``: VmRSS and VmHWM
+(``/proc/self/status``) before the stage and after it, VmHWM reset at the stage start where Linux allows
+(``hwm_reset``), so the host RAM the pinned homes or the staging buffers cost is visible. All are measured.
+Per step:
+
+- **host copy s**: seconds the staging thread spent filling staging buffers (home -> staging); 0 for a
+  unit copied from its pinned home;
 - **bytes**: weight bytes the ring copied to the device;
 - **GPU idle between blocks** (CUDA): the time from the end of one streamed block's kernels to the start
   of the next block's, summed over a forward (CUDA events on the compute stream; 0 when every copy
@@ -20,9 +37,16 @@ text encoder or VAE: the ring is all that is measured). Per step it reports:
 - **compute wait s**: seconds the thread that runs the DiT spent waiting for staging jobs (the ring's
   ``compute_wait_s``): a host-side stall the sync counts miss.
 
+Step 0 also copies the resident weights (and, in a fresh process, pays CUDA's warm-up); from step 1 on
+only the streamed blocks move.
+
 On a CPU the device is the tests' fake ``cuda:3`` (``tests/fake_accelerator.py``: device buffers are
 host memory) with the tests' recorded streams (``tests/fake_streams.py``), so the ring, its staging
-thread and its events run for real; there is no GPU time to measure.
+thread and its events run for real; there is no GPU time to measure, and no page can be locked: host
+buffers are pretend-pinned as in the tests (``"pinned": "pretend (CPU fake device)"``), so the pin budget
+decides which units skip the staging buffers exactly as on CUDA. The CPU figures show which path each unit
+took and what it cost the host (memcpy seconds, the staging buffers' RAM); they say nothing about DMA speed
+or overlap, and VmHWM there also counts the fake device's buffers and the recorded streams' copies.
 """
 
 from __future__ import annotations
@@ -39,6 +63,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 MIB = 1024 * 1024
+GIB = 1024 * MIB
 
 
 def moe_dit(layers: int, seed: int = 1):
@@ -88,6 +113,40 @@ class _CpuHostReads:
         self._stack.close()
 
 
+class _PretendPinned:
+    """A host buffer that reports itself page-locked (the tests' ``PinCounter`` buffers): on the CPU fake
+    device a real :class:`~lingbot_core.memory.host_memory.PinnedBuffer` reports ``pinned=False`` and the
+    offloader then pins no home at all."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes, self.tensor, self.pinned = int(nbytes), torch.empty(int(nbytes), dtype=torch.uint8), True
+
+    def free(self) -> None:
+        self.tensor, self.pinned = None, False
+
+
+def _memory_mib() -> dict:
+    """VmRSS and VmHWM of this process, MiB (None where /proc is absent)."""
+    out = {"VmRSS": None, "VmHWM": None}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            key = line.split(":", 1)[0]
+            if key in out:
+                out[key] = round(int(line.split()[1]) / 1024)
+    except OSError:
+        pass
+    return out
+
+
+def _reset_hwm() -> bool:
+    """Linux resets VmHWM to the current RSS when "5" is written to /proc/self/clear_refs."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
 def _mark(events):
     def hook(*_):
         event = torch.cuda.Event(enable_timing=True)
@@ -97,15 +156,18 @@ def _mark(events):
 
 
 def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int = 832, frames: int = 121,
-          steps: int = 2, text_tokens: int = 120) -> dict:
+          steps: int = 2, text_tokens: int = 120, pinned_gb: float = 0.0) -> dict:
     from lingbot_core.model.latents import latent_shape
+    from lingbot_core.memory import host_memory
     from lingbot_core.memory.offload import Offloader
 
     cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)  # this probe's peak, also when a caller runs it twice
     t0 = time.perf_counter()
     dit = moe_dit(layers)
     build_s = time.perf_counter() - t0
-    offloader = Offloader({"transformer": dit}, blocks_on_gpu=0)
+    offloader = Offloader({"transformer": dit}, blocks_on_gpu=0, pin_budget=int(pinned_gb * GIB))
     stack = ExitStack()
     gen = torch.Generator().manual_seed(2)
     latents = torch.randn(latent_shape(frames, height, width), generator=gen)
@@ -114,6 +176,8 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
         offloader.apply("block", device)
         run_device = offloader.execution_device("transformer")
     else:
+        from unittest import mock
+
         tests = str(REPO / "tests")
         if tests not in sys.path:
             sys.path.insert(0, tests)
@@ -124,6 +188,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
         streamer = dit._hf_hook
         streamer.execution_device, streamer.streams = FAKE, RecordingStreams()
         stack.enter_context(recording_transfers())
+        stack.enter_context(mock.patch.object(host_memory, "pinned_buffer", _PretendPinned))
         run_device = torch.device("cpu")
     streamer = dit._hf_hook
     ring = streamer.ring
@@ -135,7 +200,12 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
     block_bytes = sum(t.numel() * t.element_size() for t in list(dit.blocks[0].parameters()) + list(dit.blocks[0].buffers()))
     per_step = []
     with stack, torch.no_grad():
-        with offloader.stage():
+        memory = {"before_stage": _memory_mib()}
+        hwm_reset = _reset_hwm()
+        with ExitStack() as in_stage:
+            t0 = time.perf_counter()
+            in_stage.enter_context(offloader.stage())  # the homes are pinned here, within the budget
+            stage_enter_s = time.perf_counter() - t0
             offloader.expect_forwards(steps)
             x = latents.to(run_device)
             ts = [torch.tensor([1000.0 * (1 - i / steps)], device=run_device) for i in range(steps)]
@@ -170,11 +240,20 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
                     "gpu_idle_between_blocks_s": None if idle is None else round(idle, 4), "host_syncs": syncs,
                     "compute_wait_s": round(ring.stats["compute_wait_s"] - before["compute_wait_s"], 4),
                 })
+        memory["after_stage"] = _memory_mib()
+        units = streamer.units()
+        homes = sum(u.pinned.nbytes for u in units if u.pinned is not None)
+        staging = sum(h.pinned.nbytes for h in ring.host_slots)
+        pinned_units = sum(u.pinned is not None for u in units)
         pinned = offloader.pinned_bytes()
-        peak = torch.cuda.max_memory_allocated() if cuda else None
+        peak = torch.cuda.max_memory_allocated(device) if cuda else None
     offloader.release()
     return {"device": device, "layers": layers, "size": [height, width, frames], "steps": steps, "build_s": round(build_s, 1),
-            "block_bytes": block_bytes, "pinned_bytes": pinned, "max_memory_allocated": peak, "per_step": per_step}
+            "block_bytes": block_bytes, "pinned_gb": pinned_gb,
+            "pinned": "page-locked (cudaHostRegister)" if cuda else "pretend (CPU fake device)",
+            "pinned_homes_bytes": homes, "staging_bytes": staging, "pinned_units": pinned_units, "units": len(units),
+            "pinned_bytes": pinned, "stage_enter_s": round(stage_enter_s, 3), "memory_mib": memory, "hwm_reset": hwm_reset,
+            "max_memory_allocated": peak, "per_step": per_step}
 
 
 def main(argv=None) -> int:
@@ -185,8 +264,13 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--frames", type=int, default=121)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--pinned-gb", type=float, default=0.0,
+                   help="pin budget for the units' homes, GiB (0: every unit through the staging buffers)")
     args = p.parse_args(argv)
-    print(json.dumps(probe(args.device, args.layers, args.height, args.width, args.frames, args.steps), indent=2))
+    if args.pinned_gb < 0:
+        p.error("--pinned-gb must be >= 0")
+    print(json.dumps(probe(args.device, args.layers, args.height, args.width, args.frames, args.steps,
+                           pinned_gb=args.pinned_gb), indent=2))
     return 0
 
 

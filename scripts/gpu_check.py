@@ -16,16 +16,17 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    package's text encoder and VAE. Rows with the same package, precision and load options share one
    load (and one untimed one-step warm-up). Before every row the prompt cache is cleared (so the text
    encoder, the largest transfer of ``model`` and ``block``, is timed), the device cache is emptied
-   and the peak statistics are reset. Per row: generate seconds, ``max_memory_allocated``, the pinned
-   host bytes (the pipeline's ``pinned_bytes()``, ``torch.cuda.host_memory_stats()`` and the kernel's
-   VmPin / VmLck, also after each load is released), RSS (now and
-   the row's peak), and the frames' SHA-256 for each of ``repeats`` runs. Frames must be identical
-   across the repeats and equal to the row named in ``same_as`` (default: the first row of its load with
-   the same steps and ``generate`` options);
-   on CUDA a block row with many repeats catches a copy that compute does not wait for. Rows with
-   ``allocator="cudaMallocAsync"`` run in a child process started with
-   ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (ComfyUI's default allocator), and must give the
-   frames of the native-allocator row they name.
+   and the peak statistics are reset. Per row: generate seconds, of them the text encoder's
+   (``text_encoder_s``: its forwards, timed between device synchronisations, with the weight copies its
+   offload makes inside them; not the stage's set-up, where offload ``block`` pins homes on first use) and
+   the rest (``rest_s_computed``), ``max_memory_allocated``, the pinned host bytes (the pipeline's
+   ``pinned_bytes()``, ``torch.cuda.host_memory_stats()`` and the kernel's VmPin / VmLck, also after each
+   load is released), RSS (now and the row's peak), and the frames' SHA-256 for each of ``repeats`` runs.
+   Frames must be identical across the repeats and equal to the row named in ``same_as`` (default: the
+   first row of its load with the same steps and ``generate`` options); on CUDA a block row with many
+   repeats catches a copy that compute does not wait for. Rows with ``allocator="cudaMallocAsync"`` run in
+   a child process started with ``PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync`` (ComfyUI's default
+   allocator), and must give the frames of the native-allocator row they name.
 3. **placement** (tiny fp32 package, TI2V as in 1): the text encoder and VAE on another device than the
    DiT (``cpu``; and ``cuda:1`` when a second GPU is present), offload ``none`` and ``model``, against the
    default placement on the same loaded copy: frames bit-identical on a second GPU of the same kind, within
@@ -42,7 +43,12 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
 6. **gguf**: a MoE-shaped GGUF DiT (Q4_K, Q8_0) in offload block: bytes per step from the ring's own counter,
    seconds per step from step 2 on (step callbacks), on CUDA host syncs per step and peak VRAM.
 7. **ring** (CUDA only; issue 24): ``bench.ring_probe`` on the 4-layer full-width MoE at 480x832x121, block
-   K=0, two lockstep CFG steps: host copy seconds, GPU idle between blocks, bytes and host syncs per step.
+   K=0, two lockstep CFG steps, run twice: pin budget 0 (every unit through the staging buffers) and
+   :data:`RING_PINNED_GB` (every home pinned, so no host memcpy by construction). Per run: pinned-home and
+   staging bytes, VmRSS / VmHWM before and after the stage; per step: wall, host copy seconds, GPU idle
+   between blocks, the compute thread's wait for staging, bytes and host syncs. The two runs' last steps
+   (step 0 also copies the resident weights, and the first run pays CUDA's warm-up) are set side by side,
+   with their wall ratio (computed): do pinned homes remove the host memcpy from the step?
 8. **decode** (CUDA only; issue 24): the refiner's tiled VAE decode of a 1088x1920 latent (``--decode-frames``
    frames, default 121 as the refiner) with the full-size random Wan VAE: seconds, ``max_memory_allocated``
    and ``max_memory_reserved``.
@@ -62,8 +68,9 @@ was skipped is listed. The random packages are built once per run (and cached un
 when a check fails or a part raised.
 
 Every figure printed is measured, except those marked "(computed)" (``projected_s``, a projection of the
-measured per-step and one-off seconds to 40 steps) and the GGUF bytes "(computed)" on a CPU, where no ring
-copies. ``grouped_native_kernel_probe`` is a probe (one grouped call that made no host sync).
+measured per-step and one-off seconds to 40 steps; ``rest_s_computed``, a row's seconds besides the text
+encoder's; the ring part's wall ratio of its two runs) and the GGUF bytes "(computed)" on a CPU, where no
+ring copies. ``grouped_native_kernel_probe`` is a probe (one grouped call that made no host sync).
 
 **Packages beyond torch, transformers, accelerate, safetensors and numpy**: ``diffusers`` and ``gguf`` (both
 pure Python). A bare device lacks them: put their wheels in a ``.whl/`` folder at the repository root
@@ -112,12 +119,18 @@ TINY_RUN = dict(height=64, width=96, num_frames=5, steps=2, seed=7)
 CUDA_WORKLOAD = dict(height=192, width=320, frames=49, steps=8)
 CPU_WORKLOAD = dict(height=64, width=96, frames=5, steps=2)
 MOE_LAYERS = 4
+# The ring part's second pin budget, GiB: more than the 4-layer MoE DiT (about 5 GiB), so every home is pinned.
+RING_PINNED_GB = 64
 MOE_PACKAGE_VERSION = 1
 ASYNC_ALLOC = "backend:cudaMallocAsync"
 MIB = 1024 * 1024
 # Seconds a part takes on one H200 (estimates of gpu-review-3: gguf 60, moe 15-20, ring 25-40, decode 25-45 at
 # 121 frames), the upper ends: a part is not started with less time left, and the rows leave them this much.
-PART_ESTIMATE_S = {"placement": 10, "speed": 150, "gguf": 60, "moe": 20, "ring": 40, "decode": 45}
+# ring runs its probe twice: 40 for the first run (CUDA warm-up included) and 15 for the second (a new ~5 GB
+# DiT from the tiled pool, its homes copied into page-locked memory at the stage start, two steps). With
+# precision 20 s and the package build 60 s, 10 + 60 + 20 + 55 + 45 = 190 s of reservations still leave the
+# rows their 150 s floor inside the device call's 420 s budget (420 - 80 - 150 = 190).
+PART_ESTIMATE_S = {"placement": 10, "speed": 150, "gguf": 60, "moe": 20, "ring": 55, "decode": 45}
 # The offload rows get at least this long after the packages are built, whatever the later parts reserve.
 ROWS_FLOOR_S = 150
 DECODE_SIZE = (1088, 1920)
@@ -424,8 +437,19 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
     pipe.set_offload(r.mode, device, blocks_on_gpu=r.blocks_on_gpu)
     steps = (r.cuda_steps if cuda and r.cuda_steps else None) or r.steps or work["steps"]
     shas, times, step_stamps = [], [], []
-    te_calls = []
-    hook = pipe.text_encoder.register_forward_pre_hook(lambda m, a, kw: te_calls.append(1), with_kwargs=True)
+    te_calls, te_spans, te_times = [], [], []
+
+    def te_start(module, args, kwargs):
+        _sync(device)  # the stage before it has finished: only the encoder is timed
+        te_calls.append(time.perf_counter())
+
+    def te_end(module, args, output):
+        _sync(device)
+        te_spans.append(time.perf_counter() - te_calls[-1])
+
+    # torch's hooks run outside the offload hooks (accelerate wraps ``forward``): the copies are inside
+    hooks = [pipe.text_encoder.register_forward_pre_hook(te_start, with_kwargs=True),
+             pipe.text_encoder.register_forward_hook(te_end)]
     peak_alloc = 0
     rss_peak = 0
     pinned = 0
@@ -438,11 +462,13 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
             _reset_peak_rss()
             _sync(device)
             stamps = []
+            te_before = len(te_spans)
             t0 = time.perf_counter()
             frames = pipe.generate(prompt, callback=lambda i, n, x0: stamps.append(time.perf_counter()),
                                    **dict(base, steps=steps, **r.generate))
             _sync(device)
             times.append(time.perf_counter() - t0)
+            te_times.append(sum(te_spans[te_before:]))
             step_stamps.append(stamps)
             pinned = max(pinned, pipe.pinned_bytes())
             rss_peak = max(rss_peak, _status_kib("VmHWM") or 0)
@@ -451,17 +477,21 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
             shas.append(_sha(frames))
             finite = bool(np.isfinite(frames).all())
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     out = {"name": r.name, "package": r.package, "precision": r.precision, "mode": r.mode,
            "blocks_on_gpu": r.blocks_on_gpu, "allocator": r.allocator, "steps": steps, "repeats": r.repeats,
            "load_s": round(load_s, 1), "generate_s": [round(t, 2) for t in times], "text_encoder_forwards": len(te_calls),
+           "text_encoder_s": [round(t, 2) for t in te_times],
+           "rest_s_computed": [round(t - e, 2) for t, e in zip(times, te_times)],
            "frames_sha256": shas[0], "repeats_identical": len(set(shas)) == 1, "frames_finite": finite,
            "pinned_bytes": pinned, "host_memory_stats": _host_pins(device), "locked_mib": _locked_mib(),
            "rss_mib": round((_status_kib("VmRSS") or 0) / 1024), "rss_peak_mib": round(rss_peak / 1024)}
     out.update(step_weights(times[-1], step_stamps[-1], steps))
     if cuda:
         out["max_memory_allocated_mib"] = round(peak_alloc / MIB)
-    log(f"{r.name}: {', '.join(f'{t:.1f}' for t in times)} s" + (f", {out['max_memory_allocated_mib']} MiB" if cuda else "")
+    log(f"{r.name}: {', '.join(f'{t:.1f}' for t in times)} s (text encoder {', '.join(f'{t:.1f}' for t in te_times)} s)"
+        + (f", {out['max_memory_allocated_mib']} MiB" if cuda else "")
         + f", pinned {pinned / MIB:.0f} MiB, identical {out['repeats_identical']}")
     return out
 
@@ -698,10 +728,28 @@ def moe_syncs(device, size: str, tokens: int) -> dict:
     return out
 
 
-def ring_check(device) -> dict:
+RING_COMPARED = ("wall_s", "host_copy_s", "gpu_idle_between_blocks_s", "compute_wait_s")
+
+
+def ring_check(device, layers: int = MOE_LAYERS, height: int = 480, width: int = 832, frames: int = 121) -> dict:
+    """``bench.ring_probe`` with pin budget 0 (``staging``) and :data:`RING_PINNED_GB` (``pinned_homes``), each
+    on its own DiT. ``last_step``: the two runs' last steps side by side, staging then pinned homes (measured;
+    step 0 also copies the resident weights, and the first run pays CUDA's warm-up), and
+    ``last_step_wall_ratio_computed``, pinned homes over staging."""
     from bench.ring_probe import probe
 
-    return probe(str(device), layers=MOE_LAYERS, height=480, width=832, frames=121, steps=2)
+    runs = {}
+    for label, gb in (("staging", 0), ("pinned_homes", RING_PINNED_GB)):
+        run = probe(str(device), layers=layers, height=height, width=width, frames=frames, steps=2, pinned_gb=gb)
+        runs[label] = run
+        last = run["per_step"][-1]
+        log(f"ring {label} (pin budget {gb} GiB): pinned homes {run['pinned_homes_bytes'] / MIB:.0f} MiB, staging "
+            f"{run['staging_bytes'] / MIB:.0f} MiB; last step {last['wall_s']} s, host copy {last['host_copy_s']} s, "
+            f"compute wait {last['compute_wait_s']} s (measured)")
+    a, b = runs["staging"]["per_step"][-1], runs["pinned_homes"]["per_step"][-1]
+    runs["last_step"] = {k: [a[k], b[k]] for k in RING_COMPARED}
+    runs["last_step_wall_ratio_computed"] = round(b["wall_s"] / a["wall_s"], 3) if a["wall_s"] else None
+    return runs
 
 
 def decode_check(device, pkgs: Dict[str, Path], frames: int) -> dict:
@@ -776,13 +824,13 @@ def markdown(report: dict) -> str:
         w = report["workload"]
         lines += [f"Rows (TI2V {w['width']}x{w['height']} (W x H), {w['frames']} frames, {w['steps']} steps unless "
                   "stated; text encoder bf16, VAE fp32; prompt cache cleared before every run):", "",
-                  "| row | package | DiT | mode | alloc | steps | generate s | max alloc MiB | pinned MiB | host-cache pinned MiB "
-                  "| RSS peak MiB | repeats identical | same as | equal |",
-                  "|---|---|---|---|---|---:|---|---:|---:|---:|---:|:---:|---|:---:|"]
+                  "| row | package | DiT | mode | alloc | steps | generate s | text encoder s | max alloc MiB | pinned MiB "
+                  "| host-cache pinned MiB | RSS peak MiB | repeats identical | same as | equal |",
+                  "|---|---|---|---|---|---:|---|---|---:|---:|---:|---:|:---:|---|:---:|"]
         for r in rows:
             if "skipped" in r or "error" in r:
                 why = f"skipped: {r['skipped']}" if "skipped" in r else f"ERROR: {r['error'][:200]}"
-                lines.append(f"| {r['name']} | {why} |" + " |" * 12)
+                lines.append(f"| {r['name']} | {why} |" + " |" * 13)
                 continue
             mode = r["mode"] + (f" K={r['blocks_on_gpu']}" if r["mode"] == "block" else "")
             host = r["host_memory_stats"].get("allocated_bytes.current")
@@ -790,7 +838,8 @@ def markdown(report: dict) -> str:
             eq = {True: "yes", False: "NO", None: "—"}[same.get("equal")]
             lines.append(
                 f"| {r['name']} | {r['package']} | {r['precision']} | {mode} | {r['allocator']} | {r['steps']} | "
-                f"{', '.join(str(t) for t in r['generate_s'])} | {r.get('max_memory_allocated_mib', '—')} | "
+                f"{', '.join(str(t) for t in r['generate_s'])} | {', '.join(str(t) for t in r.get('text_encoder_s', []))} | "
+                f"{r.get('max_memory_allocated_mib', '—')} | "
                 f"{r['pinned_bytes'] / MIB:.0f} | {'—' if host is None else round(host / MIB)} | {r['rss_peak_mib']} | "
                 f"{'yes' if r['repeats_identical'] else 'NO'} | {same.get('row') or '—'} | {eq} |")
         lines.append("")
@@ -829,14 +878,7 @@ def markdown(report: dict) -> str:
                   f"{moe['grouped_native_kernel_probe']}; unmeasured: {moe['unmeasured']}", ""]
     ring = report.get("ring")
     if ring:
-        lines += [f"Ring probe ({ring['layers']}-layer full-width MoE, {'x'.join(map(str, ring['size']))}, block K=0, lockstep CFG; "
-                  f"block {ring['block_bytes'] / MIB:.0f} MiB, pinned {ring['pinned_bytes'] / MIB:.0f} MiB):", "",
-                  "| step | wall s | host copy s | GPU idle between blocks s | bytes | host syncs (sync-debug mode) "
-                  "| compute thread waited s |", "|---:|---:|---:|---:|---:|---:|---:|"]
-        for x in ring["per_step"]:
-            lines.append(f"| {x['step']} | {x['wall_s']} | {x['host_copy_s']} | {x['gpu_idle_between_blocks_s']} | "
-                         f"{x['bytes']:,} | {x['host_syncs']} | {x.get('compute_wait_s', '-')} |")
-        lines.append("")
+        lines += ring_markdown(ring)
     dec = report.get("decode")
     if dec:
         lines += [f"Refine decode {dec['size'][0]}x{dec['size'][1]}, {dec['frames']} frames (tiled, fp32 Wan VAE): "
@@ -854,6 +896,32 @@ def markdown(report: dict) -> str:
         lines += ["Skipped: " + "; ".join(skipped), ""]
     lines.append(f"Result: {'PASS' if report.get('ok') else 'FAIL'}" + (" (partial)" if report.get("partial") else ""))
     return "\n".join(lines) + "\n"
+
+
+def ring_markdown(ring: dict) -> List[str]:
+    runs = [(label, ring[label]) for label in ("staging", "pinned_homes") if label in ring]
+    first = runs[0][1]
+    lines = [f"Ring probe ({first['layers']}-layer full-width MoE, {'x'.join(map(str, first['size']))}, block K=0, lockstep "
+             f"CFG; block {first['block_bytes'] / MIB:.0f} MiB), per pin budget; measured (pinning: {first['pinned']}):", "",
+             "| run | pin budget GiB | pinned homes MiB | staging buffers MiB | units pinned | stage start s "
+             "| VmRSS before -> after stage MiB | VmHWM in the stage MiB |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, r in runs:
+        mem = r["memory_mib"]
+        lines.append(f"| {label} | {r['pinned_gb']} | {r['pinned_homes_bytes'] / MIB:.0f} | {r['staging_bytes'] / MIB:.0f} | "
+                     f"{r['pinned_units']}/{r['units']} | {r['stage_enter_s']} | {mem['before_stage']['VmRSS']} -> "
+                     f"{mem['after_stage']['VmRSS']} | {mem['after_stage']['VmHWM']}{'' if r['hwm_reset'] else ' (process peak)'} |")
+    lines += ["", "Per step, measured:", "",
+              "| run | step | wall s | host copy s | GPU idle between blocks s | compute thread waited s | bytes "
+              "| host syncs (sync-debug mode) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for label, r in runs:
+        for x in r["per_step"]:
+            lines.append(f"| {label} | {x['step']} | {x['wall_s']} | {x['host_copy_s']} | {x['gpu_idle_between_blocks_s']} | "
+                         f"{x['compute_wait_s']} | {x['bytes']:,} | {x['host_syncs']} |")
+    cmp = ring.get("last_step")
+    if cmp:
+        lines += ["", "Last step, staging -> pinned homes (measured): " + "; ".join(f"{k} {a} -> {b}" for k, (a, b) in cmp.items())
+                  + f"; wall pinned homes / staging {ring['last_step_wall_ratio_computed']} (computed)"]
+    return lines + [""]
 
 
 def write(report: dict, out: Path, t_start: float, partial: bool = True) -> None:

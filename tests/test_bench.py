@@ -37,3 +37,42 @@ def test_offload_bench_tiny_cpu(tmp_path):
     weights = results["none"]["component_weights_mib"]
     assert abs(peak["none"] - sum(weights.values())) < 1e-6
     assert peak["model"] <= max(weights.values()) + 1e-6
+
+
+def _ring_probe(pinned_gb: float) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.ring_probe", "--device", "cpu", "--layers", "2", "--height", "64", "--width", "96",
+         "--frames", "5", "--pinned-gb", str(pinned_gb)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout)
+
+
+def test_ring_probe_pinned_homes_skip_the_staging_buffers_cpu():
+    """``bench.ring_probe`` on the CPU fake device, homes pretend-pinned: a pin budget that holds the DiT copies
+    every unit from its pinned home (no staging buffer, no host memcpy); budget 0 sends every unit through the
+    staging buffers. Both report where the host RAM went."""
+    staging, pinned = _ring_probe(0), _ring_probe(8)
+    mib = 1024 * 1024
+    for r in (staging, pinned):
+        assert r["pinned"] == "pretend (CPU fake device)" and r["units"] == 3  # the resident weights + two blocks
+        before, after = r["memory_mib"]["before_stage"], r["memory_mib"]["after_stage"]
+        assert r["hwm_reset"] and after["VmHWM"] >= after["VmRSS"] > 0 and before["VmRSS"] > 0
+        assert all(x["bytes"] > 0 and x["compute_wait_s"] >= 0 for x in r["per_step"])
+    assert pinned["pinned_gb"] == 8 and pinned["pinned_units"] == 3 and pinned["staging_bytes"] == 0
+    assert pinned["pinned_homes_bytes"] >= 2 * pinned["block_bytes"]
+    assert pinned["pinned_bytes"] == pinned["pinned_homes_bytes"]
+    assert all(x["host_copy_s"] == 0 for x in pinned["per_step"])  # no home -> staging memcpy, by construction
+    assert staging["pinned_gb"] == 0 and staging["pinned_units"] == 0 and staging["pinned_homes_bytes"] == 0
+    assert staging["staging_bytes"] >= 2 * staging["block_bytes"]  # two staging buffers, a block each
+    assert all(x["host_copy_s"] > 0 for x in staging["per_step"])
+    # the same copies to the device, from another source
+    assert [x["bytes"] for x in staging["per_step"]] == [x["bytes"] for x in pinned["per_step"]]
+    # the RAM figures show the cost: the staging buffers stay allocated after the stage; pinned homes replace the
+    # homes they were copied from
+    grown = {k: r["memory_mib"]["after_stage"]["VmRSS"] - r["memory_mib"]["before_stage"]["VmRSS"]
+             for k, r in (("staging", staging), ("pinned", pinned))}
+    assert grown["staging"] >= 0.8 * staging["staging_bytes"] / mib, grown
+    assert grown["pinned"] < 0.5 * pinned["pinned_homes_bytes"] / mib, grown

@@ -7,6 +7,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 ROWS = ("dense-bf16-none", "dense-bf16-block", "dense-bf16-block-repeats", "moe-bf16-none", "moe-dmd-8step",
         "moe-fp8-none", "moe-fp8-block", "moe-bf16-block-lora-4step", "async-dense-bf16-block")
@@ -44,6 +46,10 @@ def test_gpu_check_tiny_cpu(tmp_path):
     for r in ran:
         assert r["frames_finite"] and r["repeats_identical"] and len(r["generate_s"]) == r["repeats"]
         assert r["text_encoder_forwards"] >= r["repeats"]  # the prompt cache was cleared: the encoder ran each time
+        # the prompt encode's seconds split out of each run: timed, and the rest computed from them
+        assert len(r["text_encoder_s"]) == len(r["rest_s_computed"]) == r["repeats"]
+        for total, te, rest in zip(r["generate_s"], r["text_encoder_s"], r["rest_s_computed"]):
+            assert 0 < te < total and abs(te + rest - total) <= 0.02, (r["name"], total, te, rest)
         assert r["rss_peak_mib"] >= r["rss_mib"] > 0 and r["pinned_bytes"] == 0  # nothing is pinned on a CPU
     assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none",
                                                                 "moe-bf16-block-lora-4step"]
@@ -63,6 +69,9 @@ def test_gpu_check_tiny_cpu(tmp_path):
         assert 0 < x["mean_abs"] <= x["max_abs"] <= 0.25, x
     assert report["moe"]["bit_identical_to_before"]["slices"]
     assert "| dense-bf16-block | dense | bf16 | block K=0 | native |" in md
+    assert "| generate s | text encoder s |" in md
+    te = rows["dense-bf16-block"]["text_encoder_s"][0]
+    assert f"| {', '.join(str(t) for t in rows['dense-bf16-block']['generate_s'])} | {te} |" in md
     assert [(r["other"], r["mode"], r["identical"]) for r in report["placement"]["runs"]] == [
         ("cpu", "none", True), ("cpu", "model", True)]  # on a CPU host "another device" is the same one
     gg = report["gguf"]["rows"]  # issue 23: a GGUF MoE in offload block streams its quantized bytes
@@ -159,3 +168,27 @@ def test_moe_verdict_does_not_require_bit_identity_of_grouped():
     moe["vs_fp64"]["grouped"] = {"rel_rms": 0.3, "max_ulps": 900.0}  # a wrong expert: O(1) errors
     moe["within_bound"] = {k: gpu_check.grouped_within_bound(v) for k, v in moe["vs_fp64"].items()}
     assert not gpu_check.verdict({"moe": moe})
+
+
+def test_ring_part_runs_the_probe_without_and_with_pinned_homes():
+    """Finding 10's catch: the ring part runs ``bench.ring_probe`` with pin budget 0 and with one that holds every
+    home, and prints both (here one layer on the CPU fake device, homes pretend-pinned)."""
+    gpu_check = _gpu_check_module()
+    ring = gpu_check.ring_check(torch.device("cpu"), layers=1, height=64, width=96, frames=5)
+    staging, pinned = ring["staging"], ring["pinned_homes"]
+    assert staging["pinned_gb"] == 0 and pinned["pinned_gb"] == gpu_check.RING_PINNED_GB
+    assert staging["staging_bytes"] > 0 and staging["pinned_homes_bytes"] == 0
+    assert pinned["pinned_units"] == pinned["units"] > 0 and pinned["staging_bytes"] == 0
+    assert pinned["pinned_homes_bytes"] > pinned["block_bytes"]
+    host_copy = ring["last_step"]["host_copy_s"]
+    assert host_copy[0] > 0 and host_copy[1] == 0
+    assert ring["last_step"]["wall_s"] == [staging["per_step"][-1]["wall_s"], pinned["per_step"][-1]["wall_s"]]
+    assert ring["last_step_wall_ratio_computed"] > 0
+    machine = {"device_name": "cpu", "torch": torch.__version__, "cuda": None, "python": "3", "tf32_matmul": False}
+    md = gpu_check.markdown({"machine": machine, "size": "tiny", "date": "today", "ring": ring})
+    assert "per pin budget; measured (pinning: pretend (CPU fake device))" in md
+    assert f"| staging | 0 | 0 | {staging['staging_bytes'] / 2**20:.0f} | 0/{staging['units']} |" in md
+    assert f"| pinned_homes | {gpu_check.RING_PINNED_GB} | {pinned['pinned_homes_bytes'] / 2**20:.0f} | 0 |" in md
+    assert sum(line.startswith("| staging | ") for line in md.splitlines()) == 1 + len(staging["per_step"])
+    assert "Last step, staging -> pinned homes (measured): wall_s" in md
+    assert f"wall pinned homes / staging {ring['last_step_wall_ratio_computed']} (computed)" in md
