@@ -1,7 +1,7 @@
 """What pinned homes cost in RAM and save in host copies (offload ``block``, issue 31 finding 10).
 
     python -m bench.pinned_homes                      # 0.5 GiB fp32 DiT (memory-mapped), tiny text encoder
-    python -m bench.pinned_homes --json /tmp/pinned.json
+    python -m bench.pinned_homes --dit medium --json /tmp/pinned.json   # a 45 MiB DiT (the smoke test's)
 
 A dense package whose DiT is about 0.5 GiB in fp32 (``tests/conftest.py``'s ``MEMORY_DIT``; loaded without a
 cast, so its weights stay memory-mapped, the path a release package takes) is loaded with offload ``block``.
@@ -98,18 +98,21 @@ def child(package: str, pinned_gb: str) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.pinned_homes", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="also write the results here")
+    p.add_argument("--dit", choices=("memory", "medium"), default="memory",
+                   help="the DiT's size: memory (about 0.5 GiB in fp32) or medium (about 45 MiB)")
     p.add_argument("--child", nargs=2, metavar=("PACKAGE", "PINNED_GB"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
         print(json.dumps(child(*args.child)))
         return 0
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import MEMORY_DIT
+    from conftest import MEMORY_DIT, MEMORY_DIT_MEDIUM
 
     from lingbot_core.testing.fixtures import write_package
 
+    dit = MEMORY_DIT if args.dit == "memory" else MEMORY_DIT_MEDIUM
     with tempfile.TemporaryDirectory(prefix="lingbot-pinned-") as tmp:
-        package = write_package(Path(tmp) / "pkg", fp32=True, seed=3, dit=MEMORY_DIT, refiner=False)
+        package = write_package(Path(tmp) / "pkg", fp32=True, seed=3, dit=dit, refiner=False)
         results = []
         for budget in ("0", "64"):
             proc = subprocess.run([sys.executable, "-m", "bench.pinned_homes", "--child", str(package), budget],

@@ -76,3 +76,24 @@ def test_ring_probe_pinned_homes_skip_the_staging_buffers_cpu():
              for k, r in (("staging", staging), ("pinned", pinned))}
     assert grown["staging"] >= 0.8 * staging["staging_bytes"] / mib, grown
     assert grown["pinned"] < 0.5 * pinned["pinned_homes_bytes"] / mib, grown
+
+
+def test_pinned_homes_bench_moves_the_homes_of_a_mapped_package(tmp_path):
+    """``bench.pinned_homes`` (issue 31 finding 10) on a memory-mapped package, both streamers on the fake device:
+    with a budget larger than the weights every home of the DiT and of the text encoder is pinned, no staging
+    buffer is made and neither ring copies on the host; with ``LINGBOT_PINNED_GB=0`` nothing is pinned and the
+    DiT's ring copies through its staging buffers. The same bytes reach the device either way."""
+    out = tmp_path / "pinned.json"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-m", "bench.pinned_homes", "--dit", "medium", "--json", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    off, on = json.loads(out.read_text())
+    assert off["pinned_gb"] == "0" and on["pinned_gb"] == "64"
+    assert off["homes_pinned_mib"] == 0 and off["staging_mib"] > 0 and off["rings"][0]["host_copy_s"] > 0
+    assert on["homes_pinned_mib"] > 0 and on["staging_mib"] == 0 and on["pinned_mib"] == on["homes_pinned_mib"]
+    assert all(r["host_copy_s"] == 0 for r in on["rings"])
+    assert [r["model"] for r in on["rings"]] == ["transformer", "text_encoder"]
+    assert [(r["bytes_mib"], r["copies"]) for r in on["rings"]] == [(r["bytes_mib"], r["copies"]) for r in off["rings"]]
+    for r in (off, on):
+        assert r["after_generate"]["VmRSS"] > 0 and r["pin_s"] >= 0
