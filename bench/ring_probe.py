@@ -138,15 +138,6 @@ def _memory_mib() -> dict:
     return out
 
 
-def _reset_hwm() -> bool:
-    """Linux resets VmHWM to the current RSS when "5" is written to /proc/self/clear_refs."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _mark(events):
     def hook(*_):
         event = torch.cuda.Event(enable_timing=True)
@@ -159,6 +150,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
           steps: int = 2, text_tokens: int = 120, pinned_gb: float = 0.0) -> dict:
     from lingbot_core.model.latents import latent_shape
     from lingbot_core.memory import host_memory
+    from lingbot_core.memory.budget import reset_peak_rss
     from lingbot_core.memory.offload import Offloader
 
     cuda = device.startswith("cuda")
@@ -201,7 +193,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
     per_step = []
     with stack, torch.no_grad():
         memory = {"before_stage": _memory_mib()}
-        hwm_reset = _reset_hwm()
+        hwm_reset = reset_peak_rss()
         with ExitStack() as in_stage:
             t0 = time.perf_counter()
             in_stage.enter_context(offloader.stage())  # the homes are pinned here, within the budget

@@ -252,15 +252,6 @@ def _status_kib(field_name: str) -> Optional[int]:
     return None
 
 
-def _reset_peak_rss() -> bool:
-    """Linux resets VmHWM (the peak RSS) when "5" is written to /proc/self/clear_refs."""
-    try:
-        Path("/proc/self/clear_refs").write_text("5")
-        return True
-    except OSError:
-        return False
-
-
 def _host_pins(device) -> dict:
     if device.type != "cuda":
         return {}
@@ -433,6 +424,8 @@ def run_rows(rows: List[Row], device, pkgs: Dict[str, Path], work: dict, deadlin
 
 
 def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt: str) -> dict:
+    from lingbot_core.memory.budget import reset_peak_rss
+
     cuda = device.type == "cuda"
     pipe.set_offload(r.mode, device, blocks_on_gpu=r.blocks_on_gpu)
     steps = (r.cuda_steps if cuda and r.cuda_steps else None) or r.steps or work["steps"]
@@ -459,7 +452,7 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(device)
-            _reset_peak_rss()
+            reset_peak_rss()
             _sync(device)
             stamps = []
             te_before = len(te_spans)

@@ -46,26 +46,33 @@ def _meminfo_kib(field: str) -> Optional[int]:
 
 def available_ram() -> Optional[int]:
     """Bytes the system can still give to this process without swapping (Linux ``MemAvailable``)."""
-    kib = _meminfo_kib("MemAvailable")
-    if kib is not None:
-        return kib * 1024
-    try:
-        import psutil
-    except ImportError:
-        return None
-    return int(psutil.virtual_memory().available)
+    return _system_ram("MemAvailable", "available")
 
 
 def total_ram() -> Optional[int]:
     """Bytes of physical memory (Linux ``MemTotal``)."""
-    kib = _meminfo_kib("MemTotal")
+    return _system_ram("MemTotal", "total")
+
+
+def _system_ram(meminfo_field: str, psutil_field: str) -> Optional[int]:
+    kib = _meminfo_kib(meminfo_field)
     if kib is not None:
         return kib * 1024
     try:
         import psutil
     except ImportError:
         return None
-    return int(psutil.virtual_memory().total)
+    return int(getattr(psutil.virtual_memory(), psutil_field))
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (``VmHWM``) to its current RSS (Linux: "5" into ``/proc/self/clear_refs``);
+    False where that is not possible."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def process_rss(pid: Optional[int] = None) -> Optional[int]:
