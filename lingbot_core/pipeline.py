@@ -255,8 +255,8 @@ class LingbotPipeline:
     def _log_vram_bound(self) -> None:
         bound = self.vram_bound()
         if bound is not None and self.offloader.execution_device("transformer").type == "cuda":
-            logger.info("LingBot-Video: offload 'block' (%d blocks on the GPU): the DiT's weights take at most %.2f GiB "
-                        "of VRAM while it denoises (activations come on top).", self.blocks_on_gpu, bound / 2 ** 30)
+            logger.info("LingBot-Video: offload 'block' (%d blocks on the GPU): the DiT's weights take at most "
+                        "%.2f GiB of VRAM while it denoises (activations come on top).", self.blocks_on_gpu, bound / 2 ** 30)
 
     def set_speed(self, *, attention: Optional[str] = None, compile_blocks: Optional[bool] = None,
                   cfg_lockstep: Optional[bool] = None) -> None:

@@ -191,8 +191,8 @@ PINNED_HOMES_ENV = "LINGBOT_PINNED_GB"
 
 def ram_budget_from_env(environ=None) -> Optional[int]:
     """``LINGBOT_RAM_BUDGET_GB`` in bytes (GB counted as GiB, ``1024 ** 3``), or None when unset/empty."""
-    return _gib_from_env(RAM_BUDGET_ENV, environ, zero_ok=False,
-                         what="the GB of RAM LingBot pipelines may hold (e.g. 48), or unset it to use the RAM available")
+    return _gib_from_env(RAM_BUDGET_ENV, environ, zero_ok=False, what="the GB of RAM LingBot pipelines may hold "
+                                                                       "(e.g. 48), or unset it to use the RAM available")
 
 
 def pinned_homes_from_env(environ=None) -> Optional[int]:

@@ -619,10 +619,10 @@ class BlockRing:
     staging buffer (a host copy) -> device buffer (an asynchronous copy on the side stream); a block
     with a pinned home (:meth:`StreamUnit.pin_home`) skips the staging buffer. The resident weights
     (:meth:`load_whole`) get a device buffer of their own for the stage and go through the same
-    staging buffers in slot-size chunks, on the same thread and stream. With streams, both copies run on one staging thread, so the Python thread that queues the
-    DiT's kernels never copies weights and stays ahead of the GPU: while block j computes, the thread
-    fills the next staging buffer and starts its copy. Events keep each buffer from being overwritten
-    early:
+    staging buffers in slot-size chunks, on the same thread and stream. With streams, both copies run
+    on one staging thread, so the Python thread that queues the model's kernels never copies weights
+    and stays ahead of the GPU: while block j computes, the thread fills the next staging buffer and
+    starts its copy. Events keep each buffer from being overwritten early:
 
     - the side stream waits for the block that last used a device buffer (``done``) before copying
       the next block into it, so the device holds at most ``slots`` streamed blocks whatever the
@@ -1025,7 +1025,8 @@ def ring_staging_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype
                   for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
     total = RING_SLOTS * _largest_block(tables, _DIT_BLOCK)
     if text_encoder_dtype is not None:
-        paths = [Path(text_encoder_file)] if text_encoder_file else safetensors_files(root / "text_encoder", "text_encoder", "model")
+        paths = ([Path(text_encoder_file)] if text_encoder_file
+                 else safetensors_files(root / "text_encoder", "text_encoder", "model"))
         total += RING_SLOTS * _largest_block([loaded_tensor_bytes(p, text_encoder_dtype) for p in paths], _TEXT_LAYER)
     return total
 
