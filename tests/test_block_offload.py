@@ -229,7 +229,7 @@ def ring_run(pipe, pins, runs=2, pin_budget=0, **run):
     per streamed-block call, whether each weight lay in a device buffer and equalled its home."""
     streamer = pipe.transformer._hf_hook
     streamer.execution_device = FAKE
-    pipe.offloader.pins.total = pin_budget
+    pipe.offloader.pins = host_memory.PinBudget(pin_budget)
     homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}  # values only; placement changes
     seen = []
 
@@ -438,7 +438,7 @@ def stream_run(pipe, streams, pin_budget=0, pins=None, **run):
 
     streamer = pipe.transformer._hf_hook
     streamer.execution_device, streamer.streams = FAKE, streams
-    pipe.offloader.pins.total = pin_budget
+    pipe.offloader.pins = host_memory.PinBudget(pin_budget)
     homes = {id(p): p.data.clone() for p in pipe.transformer.parameters()}
     used = []
 
@@ -647,7 +647,7 @@ def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_im
             raise RuntimeError("mid-encode failure")
 
         with fake_accelerator(pipe):
-            pipe.offloader.pins.total = 0
+            pipe.offloader.pins = host_memory.PinBudget(0)
             with mock.patch.object(layer.mlp, "forward", side_effect=fail):
                 with pytest.raises(RuntimeError, match="mid-encode"):
                     pipe.generate("a cat", image=test_image, **RUN)
@@ -859,7 +859,7 @@ def test_text_encoder_streams_its_layers_on_the_staging_thread(deep_package):
     try:
         te = pipe.text_encoder._hf_hook
         streams = RecordingStreams()
-        pipe.offloader.pins.total = 0
+        pipe.offloader.pins = host_memory.PinBudget(0)
         with mock.patch.object(host_memory, "pinned_buffer", PinCounter()), fake_accelerator(pipe), \
                 reporting_releases(streams):
             te.streams = streams
@@ -875,3 +875,36 @@ def test_text_encoder_streams_its_layers_on_the_staging_thread(deep_package):
         assert pipe.offloader.resident() == [] and te.ring.device_slots == [] and te.ring.whole_slots == []
     finally:
         pipe.release()
+
+
+def test_two_pipelines_draw_from_one_pin_budget(deep_package):
+    """Issue 31 item 11: the pin budget is the process's, not each pipeline's: a base and a refiner in ``block``
+    together never pin more than ``LINGBOT_PINNED_GB``. The second pipeline pins what the first left, and gets
+    the first one's share once that one is released."""
+    first = load_pipeline(deep_package, offload="block", device="cpu")
+    second = load_pipeline(deep_package, offload="block", device="cpu")
+    pins = PinCounter()
+    try:
+        assert first.offloader.pins is second.offloader.pins is host_memory.shared_pin_budget()
+        shared = host_memory.PinBudget(0)
+        for pipe in (first, second):
+            pipe.offloader.pins = shared
+            for s in pipe.offloader.streamers():
+                s.execution_device = FAKE
+        spans = [u.span for u in first.transformer._hf_hook.streamed]
+        shared.total = sum(spans[:4]) + 1000  # four DiT blocks; the 1,000 bytes left hold no other unit
+        with mock.patch.object(host_memory, "pinned_buffer", pins):
+            with first.offloader.stage():
+                pass
+            with second.offloader.stage():
+                pass
+            pinned = [sum(u.pinned is not None for u in p.transformer._hf_hook.streamed) for p in (first, second)]
+            assert pinned == [4, 0] and shared.used == sum(spans[:4])
+            first.release()
+            assert shared.used == 0
+            with second.offloader.stage():
+                pass
+            assert sum(u.pinned is not None for u in second.transformer._hf_hook.streamed) == 4
+    finally:
+        first.release()
+        second.release()

@@ -241,6 +241,7 @@ def test_vram_bound_counts_the_ring_and_the_largest_blocks_dequantized_stacks(gg
     sys.path.insert(0, str(Path(__file__).parent))
     from fake_accelerator import FAKE, recording_transfers
 
+    from lingbot_core.memory.host_memory import PinBudget
     from lingbot_core.model.transformer import converted_bytes
 
     path, _, _ = _case(gguf_root, "Q8_0", "rebel")
@@ -248,7 +249,7 @@ def test_vram_bound_counts_the_ring_and_the_largest_blocks_dequantized_stacks(gg
     try:
         streamer = pipe.transformer._hf_hook
         streamer.execution_device = FAKE
-        pipe.offloader.pins.total = 0
+        pipe.offloader.pins = PinBudget(0)
         with recording_transfers() as req:
             pipe.generate("a cat", **dict(RUN, output_type="latent"))
         buffers = sum(n for fn, n, d in req.allocations if fn in ("_device_slot", "load_whole") and d == FAKE)

@@ -139,6 +139,18 @@ class PinBudget:
         self.used = max(0, self.used - nbytes)
 
 
+_SHARED: Optional[PinBudget] = None  # the process's pin budget (module state: one object, bounded by itself)
+
+
+def shared_pin_budget() -> PinBudget:
+    """The process-wide budget of pinned homes (read from the environment once): every pipeline's offloader
+    draws from it, so two pipelines in ``block`` (a base and its refiner) never lock more than one budget."""
+    global _SHARED
+    if _SHARED is None:
+        _SHARED = PinBudget(pinned_homes_budget())
+    return _SHARED
+
+
 def pinned_homes_budget(environ=None) -> int:
     """Bytes of pinned homes allowed: ``LINGBOT_PINNED_GB`` when set, else :data:`PINNED_HOMES_SHARE` of
     physical RAM (0 where it is unknown)."""

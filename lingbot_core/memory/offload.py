@@ -114,8 +114,9 @@ class Offloader:
     under sequential offload. ``stacks`` maps a component name to a function that returns its stack of
     blocks: under ``block`` those components are streamed by :class:`BlockStreamer` (the DiT keeps
     ``blocks_on_gpu`` of its blocks resident, others none); without one, a component other than the VAE
-    streams its modules as under ``sequential``. ``pin_budget`` bounds the pinned homes (default: from
-    ``LINGBOT_PINNED_GB`` or a share of RAM, :func:`host_memory.pinned_homes_budget`).
+    streams its modules as under ``sequential``. ``pin_budget`` (bytes) bounds the pinned homes of this
+    offloader alone; by default it draws from the process's budget (:func:`host_memory.shared_pin_budget`:
+    ``LINGBOT_PINNED_GB`` or a quarter of RAM, shared by every pipeline).
     """
 
     def __init__(self, components: Dict[str, nn.Module], preload: Optional[Dict[str, List[str]]] = None,
@@ -124,7 +125,7 @@ class Offloader:
         self.components = dict(components)
         self.preload = dict(preload or {})
         self.stacks = dict(stacks or {"transformer": dit_blocks})
-        self.pins = host_memory.PinBudget(host_memory.pinned_homes_budget() if pin_budget is None else pin_budget)
+        self.pins = host_memory.shared_pin_budget() if pin_budget is None else host_memory.PinBudget(pin_budget)
         self.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)  # used by mode "block"
         self.mode = "none"
         self.device = torch.device("cpu")
@@ -321,7 +322,7 @@ class Offloader:
             if not buffer.pinned:
                 buffer.free()
                 self.pins.give(unit.span)
-                self.pins.total = self.pins.used
+                self.pins.total = self.pins.used  # the OS's limit: no further attempt in this process
                 logger.info("offload=block: the OS refused to pin more weights (%d MiB pinned); the rest is copied "
                             "through the staging buffers.", self.pins.used >> 20)
                 return
