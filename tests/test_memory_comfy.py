@@ -145,7 +145,8 @@ def free_all(server) -> None:
             return
 
 
-@pytest.mark.parametrize("offload, layout", [("none", "refiner first"), ("model", "shuffled"), ("sequential", "base first")])
+@pytest.mark.parametrize("offload, layout", [("none", "refiner first"), ("model", "shuffled"), ("sequential", "base first"),
+                                             ("block", "shuffled")])
 def test_generate_unload_refine_holds_one_pipeline_at_a_time(mem_server, memory_packages, offload, layout):
     """Peak RSS over the whole prompt <= one pipeline + 25 %, and the Unload node frees >= 90 % of the
     base pipeline's weight bytes before the next node runs, with no garbage collection in between."""
