@@ -66,15 +66,16 @@ MIB = 1024 * 1024
 GIB = 1024 * MIB
 
 
-def moe_dit(layers: int, seed: int = 1):
-    """A full-width MoE DiT of ``layers`` blocks in memory (bf16 with fp32 islands), random weights."""
+def moe_dit(layers: int, seed: int = 1, experts: int = 128):
+    """A full-width MoE DiT of ``layers`` blocks in memory (bf16 with fp32 islands), random weights; ``experts``
+    below the release's 128 shrinks each block (the smoke tests' size)."""
     from bench.offload import TiledFill, moe_dit_config
     from lingbot_core.model.transformer import LingBotVideoTransformer3DModel, is_fp32_island
 
     gen = torch.Generator().manual_seed(seed)
     fill = TiledFill(gen)
     with torch.device("meta"):
-        dit = LingBotVideoTransformer3DModel(**moe_dit_config(layers))
+        dit = LingBotVideoTransformer3DModel(**dict(moe_dit_config(layers), num_experts=experts))
     state = {k: fill(k, tuple(v.shape), torch.float32 if is_fp32_island(k) else torch.bfloat16)
              for k, v in dit.state_dict().items()}
     dit.load_state_dict(state, assign=True)
@@ -147,7 +148,7 @@ def _mark(events):
 
 
 def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int = 832, frames: int = 121,
-          steps: int = 2, text_tokens: int = 120, pinned_gb: float = 0.0) -> dict:
+          steps: int = 2, text_tokens: int = 120, pinned_gb: float = 0.0, experts: int = 128) -> dict:
     from lingbot_core.model.latents import latent_shape
     from lingbot_core.memory import host_memory
     from lingbot_core.memory.budget import reset_peak_rss
@@ -157,7 +158,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # this probe's peak, also when a caller runs it twice
     t0 = time.perf_counter()
-    dit = moe_dit(layers)
+    dit = moe_dit(layers, experts=experts)
     build_s = time.perf_counter() - t0
     offloader = Offloader({"transformer": dit}, blocks_on_gpu=0, pin_budget=int(pinned_gb * GIB))
     stack = ExitStack()
@@ -256,13 +257,14 @@ def main(argv=None) -> int:
     p.add_argument("--width", type=int, default=832)
     p.add_argument("--frames", type=int, default=121)
     p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--experts", type=int, default=128, help="experts per block (the release's 128; fewer for a smoke run)")
     p.add_argument("--pinned-gb", type=float, default=0.0,
                    help="pin budget for the units' homes, GiB (0: every unit through the staging buffers)")
     args = p.parse_args(argv)
     if args.pinned_gb < 0:
         p.error("--pinned-gb must be >= 0")
     print(json.dumps(probe(args.device, args.layers, args.height, args.width, args.frames, args.steps,
-                           pinned_gb=args.pinned_gb), indent=2))
+                           pinned_gb=args.pinned_gb, experts=args.experts), indent=2))
     return 0
 
 

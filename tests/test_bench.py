@@ -43,7 +43,7 @@ def _ring_probe(pinned_gb: float) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run(
         [sys.executable, "-m", "bench.ring_probe", "--device", "cpu", "--layers", "2", "--height", "64", "--width", "96",
-         "--frames", "5", "--pinned-gb", str(pinned_gb)],
+         "--frames", "5", "--experts", "16", "--pinned-gb", str(pinned_gb)],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
