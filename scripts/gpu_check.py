@@ -724,7 +724,8 @@ def moe_syncs(device, size: str, tokens: int) -> dict:
 RING_COMPARED = ("wall_s", "host_copy_s", "gpu_idle_between_blocks_s", "compute_wait_s")
 
 
-def ring_check(device, layers: int = MOE_LAYERS, height: int = 480, width: int = 832, frames: int = 121) -> dict:
+def ring_check(device, layers: int = MOE_LAYERS, height: int = 480, width: int = 832, frames: int = 121,
+               experts: int = 128) -> dict:
     """``bench.ring_probe`` with pin budget 0 (``staging``) and :data:`RING_PINNED_GB` (``pinned_homes``), each
     on its own DiT. ``last_step``: the two runs' last steps side by side, staging then pinned homes (measured;
     step 0 also copies the resident weights, and the first run pays CUDA's warm-up), and
@@ -733,7 +734,8 @@ def ring_check(device, layers: int = MOE_LAYERS, height: int = 480, width: int =
 
     runs = {}
     for label, gb in (("staging", 0), ("pinned_homes", RING_PINNED_GB)):
-        run = probe(str(device), layers=layers, height=height, width=width, frames=frames, steps=2, pinned_gb=gb)
+        run = probe(str(device), layers=layers, height=height, width=width, frames=frames, steps=2, pinned_gb=gb,
+                    experts=experts)
         runs[label] = run
         last = run["per_step"][-1]
         log(f"ring {label} (pin budget {gb} GiB): pinned homes {run['pinned_homes_bytes'] / MIB:.0f} MiB, staging "

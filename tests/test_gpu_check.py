@@ -174,7 +174,7 @@ def test_ring_part_runs_the_probe_without_and_with_pinned_homes():
     """Finding 10's catch: the ring part runs ``bench.ring_probe`` with pin budget 0 and with one that holds every
     home, and prints both (here one layer on the CPU fake device, homes pretend-pinned)."""
     gpu_check = _gpu_check_module()
-    ring = gpu_check.ring_check(torch.device("cpu"), layers=1, height=64, width=96, frames=5)
+    ring = gpu_check.ring_check(torch.device("cpu"), layers=1, height=64, width=96, frames=5, experts=16)
     staging, pinned = ring["staging"], ring["pinned_homes"]
     assert staging["pinned_gb"] == 0 and pinned["pinned_gb"] == gpu_check.RING_PINNED_GB
     assert staging["staging_bytes"] > 0 and staging["pinned_homes_bytes"] == 0
