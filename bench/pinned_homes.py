@@ -33,25 +33,12 @@ MIB = 1024 * 1024
 
 
 def _status() -> dict:
-    out = {}
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            key = line.split(":")[0]
-            if key in ("VmRSS", "RssAnon", "RssFile", "VmHWM"):
-                out[key] = int(line.split()[1]) // 1024  # MiB
+    """VmRSS, RssAnon, RssFile and VmHWM of this process, MiB."""
+    from bench.server_rss import kib, status
+
+    out = {key: n // MIB for key, n in status("self").items()}
+    out["VmHWM"] = kib("VmHWM") // MIB
     return out
-
-
-class _PretendPinned:
-    """A host buffer the ring treats as pinned (plain memory: a CPU-only torch cannot lock pages)."""
-
-    def __init__(self, nbytes: int):
-        import torch
-
-        self.nbytes, self.tensor, self.pinned = nbytes, torch.empty(nbytes, dtype=torch.uint8), True
-
-    def free(self):
-        self.tensor, self.pinned = None, False
 
 
 def child(package: str, pinned_gb: str) -> dict:
@@ -61,10 +48,11 @@ def child(package: str, pinned_gb: str) -> dict:
     import torch
     from fake_accelerator import FAKE, recording_transfers
 
+    from bench.ring_probe import PretendPinned
     from lingbot_core import load_pipeline
     from lingbot_core.memory import host_memory
 
-    host_memory.pinned_buffer = _PretendPinned  # the bench's stand-in for page locking (see the docstring)
+    host_memory.pinned_buffer = PretendPinned  # the bench's stand-in for page locking (see the docstring)
     torch.set_num_threads(2)
     pipe = load_pipeline(package, offload="block", device="cpu")
     streamers = pipe.offloader.streamers()

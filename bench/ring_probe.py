@@ -114,7 +114,7 @@ class _CpuHostReads:
         self._stack.close()
 
 
-class _PretendPinned:
+class PretendPinned:
     """A host buffer that reports itself page-locked (the tests' ``PinCounter`` buffers): on the CPU fake
     device a real :class:`~lingbot_core.memory.host_memory.PinnedBuffer` reports ``pinned=False`` and the
     offloader then pins no home at all."""
@@ -128,15 +128,12 @@ class _PretendPinned:
 
 def _memory_mib() -> dict:
     """VmRSS and VmHWM of this process, MiB (None where /proc is absent)."""
-    out = {"VmRSS": None, "VmHWM": None}
+    from bench.server_rss import kib
+
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            key = line.split(":", 1)[0]
-            if key in out:
-                out[key] = round(int(line.split()[1]) / 1024)
+        return {key: round(kib(key) / MIB) for key in ("VmRSS", "VmHWM")}
     except OSError:
-        pass
-    return out
+        return {"VmRSS": None, "VmHWM": None}
 
 
 def _mark(events):
@@ -181,7 +178,7 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
         streamer = dit._hf_hook
         streamer.execution_device, streamer.streams = FAKE, RecordingStreams()
         stack.enter_context(recording_transfers())
-        stack.enter_context(mock.patch.object(host_memory, "pinned_buffer", _PretendPinned))
+        stack.enter_context(mock.patch.object(host_memory, "pinned_buffer", PretendPinned))
         run_device = torch.device("cpu")
     streamer = dit._hf_hook
     ring = streamer.ring

@@ -253,8 +253,10 @@ class LingbotPipeline:
         return streamer.device_buffer_bytes() + converted
 
     def _log_vram_bound(self) -> None:
+        if self.offloader.execution_device("transformer").type != "cuda":
+            return
         bound = self.vram_bound()
-        if bound is not None and self.offloader.execution_device("transformer").type == "cuda":
+        if bound is not None:
             logger.info("LingBot-Video: offload 'block' (%d blocks on the GPU): the DiT's weights take at most "
                         "%.2f GiB of VRAM while it denoises (activations come on top).", self.blocks_on_gpu, bound / 2 ** 30)
 
@@ -345,8 +347,8 @@ class LingbotPipeline:
             return self._prompt_cache[key]
         image = vlm_image(condition.pixels) if condition is not None else None
         with self.offloader.stage():
-            # One forward per prompt, as the reference encodes them (B = 1): a padded two-prompt batch would
-            # change the GEMM shapes, hence the rounding, of both prompts.
+            # One forward per prompt, as the reference encodes them (B = 1): in a padded two-prompt batch the
+            # shorter prompt's states come out different (measured: up to one bf16 step).
             self.offloader.expect_forwards(2 if do_cfg and not null_negative else 1, "text_encoder")
             device = self.offloader.execution_device("text_encoder")
             positive = encode_text(self.text_encoder, self.processor, text, image, device, self.crop_start)

@@ -34,7 +34,7 @@ from .loading import (
     default_dtypes, load_pipeline,
 )
 from .model.lora import LoraStack, check_strength, describe_stack
-from .memory.host_memory import pinned_homes_budget
+from .memory.host_memory import shared_pin_budget
 from .memory.budget import (
     MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
@@ -180,11 +180,11 @@ class PipelinePool:
 
     def placing_pins(self, spec: PipelineSpec) -> int:
         """Page-locked bytes offload ``block`` may take for ``spec`` on CUDA, what the host is told before
-        placement (ComfyUI's ``pins_required``): the staging buffers and, within the pin budget, the pinned
-        homes (at most the weights themselves)."""
+        placement (ComfyUI's ``pins_required``): the staging buffers and, within what the process's pin
+        budget has left, the pinned homes (at most the weights themselves)."""
         if torch.device(spec.device).type != "cuda":
             return 0
-        return self.pin_bytes(spec) + min(pinned_homes_budget(), self.weight_bytes(spec))
+        return self.pin_bytes(spec) + min(shared_pin_budget().left(), self.weight_bytes(spec))
 
     def _held(self) -> int:
         """RAM the loaded pipelines take: their weights, plus the pins of those in offload ``block``."""

@@ -359,6 +359,7 @@ def test_the_host_is_told_the_staging_buffers_and_the_pinned_homes_before_placem
         raise Reached
 
     monkeypatch.setenv("LINGBOT_PINNED_GB", pinned_gb)
+    monkeypatch.setattr(host_memory, "_SHARED", None)  # the process's budget, as read from this environment
     monkeypatch.setattr(pp, "load_pipeline", no_load)
     pool = PipelinePool(headroom=0)
     pool.observer = Observer()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
-
 from typing import Optional
 
 import torch
@@ -115,7 +114,7 @@ def _discard_cuda_error() -> None:
 
 
 class PinBudget:
-    """Host bytes that offload ``block`` may page-lock for weight homes (one per pipeline's offloader).
+    """Host bytes that offload ``block`` may page-lock for weight homes (the process's: :func:`shared_pin_budget`).
 
     ``take(n)`` grants ``n`` bytes while the total stays within ``total`` and the system keeps
     :data:`PIN_HEADROOM` available after the pin; ``give(n)`` returns them when the homes are unpinned.
@@ -137,6 +136,9 @@ class PinBudget:
 
     def give(self, nbytes: int) -> None:
         self.used = max(0, self.used - nbytes)
+
+    def left(self) -> int:
+        return self.total - self.used
 
 
 _SHARED: Optional[PinBudget] = None  # the process's pin budget (module state: one object, bounded by itself)

@@ -796,15 +796,20 @@ def _counted(ring: BlockRing, unit: StreamUnit) -> None:
     ring.stats["copies"] += 1
 
 
+def _staged(ring: BlockRing, unit: StreamUnit, host: _HostSlot, lo: int, hi: int) -> torch.Tensor:
+    """``host``'s staging buffer filled with bytes ``[lo, hi)`` of ``unit`` (the host memcpy, timed)."""
+    t0 = time.perf_counter()
+    unit.fill(host.pinned.tensor, lo, hi)
+    ring.stats["host_copy_s"] += time.perf_counter() - t0
+    return host.pinned.tensor[:hi - lo]
+
+
 def _source(ring: BlockRing, unit: StreamUnit, host: Optional[_HostSlot]) -> torch.Tensor:
     """The host bytes to copy ``unit`` from: its pinned home, or ``host``'s staging buffer filled now."""
     _counted(ring, unit)
     if host is None:
         return unit.pinned.tensor[:unit.span]
-    t0 = time.perf_counter()
-    unit.fill(host.pinned.tensor)
-    ring.stats["host_copy_s"] += time.perf_counter() - t0
-    return host.pinned.tensor[:unit.span]
+    return _staged(ring, unit, host, 0, unit.span)
 
 
 def _stage(ring: BlockRing, streams, unit: StreamUnit, host: Optional[_HostSlot], slot: _DeviceSlot, done) -> None:
@@ -843,10 +848,7 @@ def _stage_whole(ring: BlockRing, streams, unit: StreamUnit, slot: _DeviceSlot, 
             if host.copied is not None and streams is not None:
                 streams.host_waits(host.copied)
                 host.copied = None
-            t0 = time.perf_counter()
-            unit.fill(host.pinned.tensor, lo, hi)
-            ring.stats["host_copy_s"] += time.perf_counter() - t0
-            src = host.pinned.tensor[:hi - lo]
+            src = _staged(ring, unit, host, lo, hi)
         if streams is None:
             slot.buffer[lo:hi].copy_(src)
             continue
