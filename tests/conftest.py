@@ -1,17 +1,10 @@
 """Shared fixtures: tiny model packages written once per session, fresh pipelines per test."""
 
 import os
-import sys
-from pathlib import Path
 
-# Offline by construction, before transformers/diffusers are imported anywhere.
-for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("HF_HUB_DISABLE_TELEMETRY", "1"),
-                   ("TOKENIZERS_PARALLELISM", "false"), ("TRANSFORMERS_VERBOSITY", "error")):
-    os.environ.setdefault(key, value)
+from child_runs import prepare
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
+prepare()  # offline by construction, before transformers/diffusers are imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

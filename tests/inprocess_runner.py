@@ -29,7 +29,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -74,13 +73,10 @@ def observations(package: str | os.PathLike, workdir: Path, timeout: float = 600
     """Run the child once per (package, workdir) per process and return its observations."""
     key = (str(package), str(workdir))
     if key not in _CACHE:
-        out = Path(workdir) / "observations.json"
-        cmd = [sys.executable, __file__, str(out), str(Path(workdir) / "base"), str(package)]
-        env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-        if proc.returncode != 0 or not out.is_file():
-            raise RuntimeError(f"in-process ComfyUI runner failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-        _CACHE[key] = json.loads(out.read_text())
+        from child_runs import run
+
+        _CACHE[key] = run(__file__, Path(workdir) / "observations.json", workdir, package, timeout,
+                          "in-process ComfyUI runner")
     return _CACHE[key]
 
 
@@ -301,9 +297,7 @@ def main(out_path, base, package):
 
 
 if __name__ == "__main__":
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here.parent), str(here)]
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                       ("TRANSFORMERS_VERBOSITY", "error")):
-        os.environ.setdefault(key, value)
+    from child_runs import prepare
+
+    prepare()
     main(*sys.argv[1:4])

@@ -11,8 +11,6 @@ Then the same prompt runs again, undisturbed.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,13 +20,9 @@ MODES = ("model", "sequential", "block")
 
 
 def observations(package, workdir: Path, timeout: float = 600) -> dict:
-    out = Path(workdir) / "interrupts.json"
-    cmd = [sys.executable, __file__, str(out), str(Path(workdir) / "base"), str(package)]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0 or not out.is_file():
-        raise RuntimeError(f"interrupt runner failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
+    from child_runs import run
+
+    return run(__file__, Path(workdir) / "interrupts.json", workdir, package, timeout, "interrupt runner")
 
 
 def graph(offload, seed):
@@ -85,9 +79,7 @@ def main(out_path, base, package):
 
 
 if __name__ == "__main__":
-    here = Path(__file__).resolve().parent
-    sys.path[:0] = [str(here.parent), str(here)]
-    for key, value in (("HF_HUB_OFFLINE", "1"), ("TRANSFORMERS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                       ("TRANSFORMERS_VERBOSITY", "error")):
-        os.environ.setdefault(key, value)
+    from child_runs import prepare
+
+    prepare()
     main(*sys.argv[1:4])
