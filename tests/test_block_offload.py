@@ -369,6 +369,12 @@ def test_the_host_is_told_the_staging_buffers_and_the_pinned_homes_before_placem
     staging, weights = pool.pin_bytes(handle.spec), pool.weight_bytes(handle.spec)
     homes = {"0": 0, "1000": weights, "0.0001": int(0.0001 * 1024 ** 3)}[pinned_gb]
     assert staging > 0 and pool.observer.pins == [staging + homes]
+    # what another pipeline already pinned is not offered again: the host is told what the budget has left
+    budget = host_memory.shared_pin_budget()
+    budget.used = budget.total // 2
+    with pytest.raises(Reached):
+        handle.encode_prompt("a cat", guidance_scale=1.0)
+    assert pool.observer.pins[-1] == staging + min(budget.total - budget.total // 2, weights)
 
 
 def test_changing_blocks_on_gpu_on_a_pipeline_already_in_block_mode(deep_package):
