@@ -118,7 +118,8 @@ def _resident_during_forward(dit, mode: str, k: int) -> int:
     import torch
     from accelerate.hooks import AlignDevicesHook
 
-    from lingbot_core.memory.offload import Offloader, StreamUnit
+    from lingbot_core.memory.block_streaming import StreamUnit
+    from lingbot_core.memory.offload import Offloader
 
     offloader = Offloader({"transformer": dit}, preload={"transformer": ["MoEFeedForward"]}, blocks_on_gpu=k)
     offloader.apply(mode, "cpu")

@@ -38,7 +38,8 @@ from .memory.host_memory import shared_pin_budget
 from .memory.budget import (
     MIB, available_ram, format_bytes, package_bytes, process_rss, return_freed_memory, trim_heap,
 )
-from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device, ring_staging_bytes
+from .memory.block_streaming import ring_staging_bytes
+from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device
 from .pipeline import LingbotPipeline
 from .sampling.speed import SpeedOptions
 from .memory.placement import check_component_devices

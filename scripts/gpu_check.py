@@ -597,7 +597,8 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
     from bench.gguf import ensure_side_package, moe_config
     from lingbot_core import load_pipeline
     from lingbot_core.testing.gguf_fixtures import write_random_gguf_dit
-    from lingbot_core.memory.offload import BlockStreamer, _hooks
+    from lingbot_core.memory.block_streaming import BlockStreamer
+    from lingbot_core.memory.offload import _hooks
     from lingbot_core.sampling.scheduling import shifted_sigmas
     from lingbot_core.prompts.text_conditioning import PromptEmbeds
 

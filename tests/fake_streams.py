@@ -1,4 +1,4 @@
-"""A stand-in for the CUDA streams and events of offload ``block``'s ring (``offload.CudaStreams``),
+"""A stand-in for the CUDA streams and events of offload ``block``'s ring (``block_streaming.CudaStreams``),
 for CPU-only tests on the fake device: every call is recorded in order, and the side stream's copies
 behave as asynchronously as CUDA allows, so a missing wait changes numbers or is reported.
 

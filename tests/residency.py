@@ -36,7 +36,7 @@ from unittest import mock
 import torch
 from accelerate.hooks import AlignDevicesHook, CpuOffload
 
-from lingbot_core.memory.offload import StreamUnit
+from lingbot_core.memory.block_streaming import StreamUnit
 
 
 def _nbytes(module, recurse):

@@ -17,7 +17,7 @@ import torch
 from lingbot_core import OFFLOAD_MODES, load_pipeline
 from lingbot_core.memory import host_memory
 from lingbot_core.testing.fixtures import dit_config, write_dit, write_package
-from lingbot_core.memory.offload import BlockRing, BlockStreamer
+from lingbot_core.memory.block_streaming import BlockRing, BlockStreamer
 from residency import ResidencyTracker
 from test_offload import FAKE, SIZE, assert_placed_on_hook_device, fake_accelerator, only
 
@@ -574,13 +574,13 @@ def test_interrupt_inside_a_staging_wait_still_drains_the_job(deep_package, test
     from concurrent.futures import Future
 
     from fake_streams import RecordingStreams
-    from lingbot_core.memory import offload
+    from lingbot_core.memory import block_streaming
 
     pipe = load_pipeline(deep_package, offload="block", device="cpu")
     try:
         streams = RecordingStreams()
         released = threading.Event()  # the held-back job runs once the buffers are released (or after 2 s)
-        orig_stage, orig_result, orig_release = offload._stage, Future.result, BlockRing.release_device
+        orig_stage, orig_result, orig_release = block_streaming._stage, Future.result, BlockRing.release_device
         state = {"held": False, "armed": False, "fired": False}
 
         def stage(ring, streams_, unit, *a):
@@ -605,7 +605,7 @@ def test_interrupt_inside_a_staging_wait_still_drains_the_job(deep_package, test
 
         handles = [b.register_forward_pre_hook(arm) for b in pipe.transformer.blocks]
         try:
-            with mock.patch.object(offload, "_stage", stage), mock.patch.object(Future, "result", result), \
+            with mock.patch.object(block_streaming, "_stage", stage), mock.patch.object(Future, "result", result), \
                     mock.patch.object(BlockRing, "release_device", release_device):
                 with pytest.raises(KeyboardInterrupt):
                     stream_run(pipe, streams, image=test_image, **RUN)
@@ -734,7 +734,7 @@ def test_settle_keeps_a_job_whose_wait_was_interrupted():
     import threading
     from concurrent.futures import Future, ThreadPoolExecutor
 
-    from lingbot_core.memory.offload import _DeviceSlot
+    from lingbot_core.memory.block_streaming import _DeviceSlot
 
     slot = _DeviceSlot(torch.empty(8, dtype=torch.uint8))
     gate = threading.Event()

@@ -283,7 +283,7 @@ def test_the_wan21_vae_file_fixture_is_the_original_layout(tmp_path):
 def test_the_memory_budget_counts_the_three_files_without_a_package(three_files):
     """The pool's RAM and pinned-ring figures come from the files' headers alone when there is no package."""
     from lingbot_core.memory.budget import package_bytes
-    from lingbot_core.memory.offload import ring_staging_bytes
+    from lingbot_core.memory.block_streaming import ring_staging_bytes
     from lingbot_core.pipeline_pool import PipelinePool
 
     files = {"transformer": str(three_files["dit"]), "text_encoder": str(three_files["te"]), "vae": str(three_files["vae"])}

@@ -2,7 +2,7 @@
 PyTorch's pinned-memory cache.
 
 Offload ``block`` copies each streamed block from a pinned home (within :class:`PinBudget`) or through a
-few pinned staging buffers (see :class:`lingbot_core.memory.offload.BlockRing`). Both are allocated here
+few pinned staging buffers (see :class:`lingbot_core.memory.block_streaming.BlockRing`). Both are allocated here
 with ``cudaHostRegister`` on a plain host allocation, not through PyTorch's caching host allocator
 (``pin_memory()``, ``torch.empty(..., pin_memory=True)``): that allocator rounds every request up to a
 power of two (a 1.15 GiB MoE block would lock 2 GiB) and keeps freed blocks locked until
