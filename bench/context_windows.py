@@ -14,7 +14,7 @@ with lockstep CFG, offload ``block`` with ``blocks_on_gpu`` 0):
 Per run: peak RSS of the process during the denoise steps (sampled every 2 ms from ``/proc/self/statm``)
 and over the whole run (``ru_maxrss``), the DiT forwards per step, the bytes the ``block`` ring copied to
 the device per step and the mean step time. On a CPU the device is the tests' fake ``cuda:3``
-(``tests/fake_accelerator.py``, recorded streams of ``tests/fake_streams.py``): the ring, its staging
+(``tests/support/fake_accelerator.py``, recorded streams of ``tests/support/fake_streams.py``): the ring, its staging
 thread and its copies run for real into host buffers, so the byte counts are those a GPU would get.
 The tiny DiT (hidden 64) is far from the real one: times and RSS say how the cost scales with windows,
 not what a GPU takes.
@@ -71,8 +71,8 @@ def run_one(package: str, name: str, height: int, width: int, steps: int) -> dic
     for p in (str(REPO), str(REPO / "tests")):
         if p not in sys.path:
             sys.path.insert(0, p)
-    from fake_accelerator import fake_accelerator
-    from fake_streams import RecordingStreams
+    from support.fake_accelerator import fake_accelerator
+    from support.fake_streams import RecordingStreams
     from lingbot_core import load_pipeline
 
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ islands, 1,357,171,264 params, N(0, 0.02) weights, norm scales 1 + N(0, 0.02)), 
 3. **resident accelerator weight bytes** of the DiT per offload mode (none, model, sequential,
    block K=0, block K=4) for both precisions, counted during one DiT forward by instrumenting the
    placement functions (accelerate's ``AlignDevicesHook`` and the pack's ``StreamUnit``), as
-   ``tests/residency.py`` does.
+   ``tests/support/residency.py`` does.
 """
 
 from __future__ import annotations

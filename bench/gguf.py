@@ -19,7 +19,7 @@ Each measured load runs in a fresh child process (RSS after imports, after the l
    and the file-backed RSS grow per block, the anonymous part is one block's dequantized experts at a
    time (it does not grow with depth).
 
-``--server`` measures where a user sees it, in a real headless ComfyUI server (``tests/comfy_host.py``):
+``--server`` measures where a user sees it, in a real headless ComfyUI server (``tests/support/comfy_host.py``):
 the dense DiT as the Q8_0 GGUF and as bf16 safetensors (text_dim 64, the side package's tiny text
 encoder's; every other shape the released one's, written once in the workdir) in the server's
 ``models/diffusion_models``, the side package as ``model``, run through 'Load LingBot-Video Pipeline
@@ -246,11 +246,11 @@ def files_graph(dit_file: str, offload: str, size=(64, 64, 5), steps: int = 2, d
 
 def run_server(workdir: Path, modes, size, steps: int, dit_precision: str) -> list:
     """Per offload mode and DiT file (the dense GGUF Q8_0, then the same shapes as bf16 safetensors), a
-    fresh ComfyUI server (``tests/comfy_host.py``) runs :func:`files_graph` once; its RSS comes from
+    fresh ComfyUI server (``tests/support/comfy_host.py``) runs :func:`files_graph` once; its RSS comes from
     ``bench.server_rss``. The DiT's text_dim is the tiny text encoder's (the side package encodes the
     prompt), every other shape is the released dense DiT's."""
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from comfy_host import ComfyServer
+    from support.comfy_host import ComfyServer
 
     from bench.server_rss import measure_prompt
     from lingbot_core.testing.fixtures import DIT_WEIGHTS, TEXT_HIDDEN

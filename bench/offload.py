@@ -15,7 +15,7 @@ Each mode runs in a fresh subprocess (so peak RSS and ``torch.cuda.max_memory_al
 mode): ``load_pipeline(package, offload=mode, device=...)``, then one timed ``pipe.generate(...)`` TI2V
 call with a deterministic test image (no warm-up). Recorded per mode: load time, generate time (and its
 stages), peak RSS, on CUDA the peak allocated GPU memory, and the peak resident weight bytes from the
-residency tracker of ``tests/residency.py`` (the weights that would sit on the accelerator; on CPU the
+residency tracker of ``tests/support/residency.py`` (the weights that would sit on the accelerator; on CPU the
 only meaningful memory figure for offload), plus a SHA-256 of the frames, which must be identical
 across modes.
 """
@@ -437,12 +437,12 @@ def touch_weights(pipe) -> int:
 
 
 def _tracker(pipe):
-    """tests/residency.py's ResidencyTracker, or None when the tests folder is not there."""
+    """tests/support/residency.py's ResidencyTracker, or None when the tests folder is not there."""
     tests = str(REPO / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
     try:
-        from residency import ResidencyTracker
+        from support.residency import ResidencyTracker
     except ImportError as e:
         log(f"residency tracker unavailable ({e}); peak resident weights not measured")
         return None

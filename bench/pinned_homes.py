@@ -11,7 +11,7 @@ RssFile and VmHWM after loading, after pinning (one empty stage: pinning happens
 after one generate; the seconds pinning took; the rings' host-copy seconds, bytes and copies over the
 generate; ``pinned_bytes()``.
 
-No GPU here: the streamers point at the tests' fake ``cuda:3`` (``tests/fake_accelerator.py``: device buffers
+No GPU here: the streamers point at the tests' fake ``cuda:3`` (``tests/support/fake_accelerator.py``: device buffers
 are host memory) and host buffers are *pretend*-pinned: plain memory that the ring treats as pinned, since a
 CPU-only torch cannot lock pages. So the figures show what moving the homes costs in RAM (a memory-mapped
 home becomes anonymous memory) and which copies disappear; they cannot show the lock itself or the DMA speed.
@@ -46,7 +46,7 @@ def child(package: str, pinned_gb: str) -> dict:
     os.environ["LINGBOT_PINNED_GB"] = pinned_gb
     sys.path.insert(0, str(REPO / "tests"))
     import torch
-    from fake_accelerator import FAKE, recording_transfers
+    from support.fake_accelerator import FAKE, recording_transfers
 
     from bench.ring_probe import PretendPinned
     from lingbot_core import load_pipeline
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
         print(json.dumps(child(*args.child)))
         return 0
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import MEMORY_DIT, MEMORY_DIT_MEDIUM
+    from support.sizes import MEMORY_DIT, MEMORY_DIT_MEDIUM
 
     from lingbot_core.testing.fixtures import write_package
 

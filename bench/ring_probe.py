@@ -40,8 +40,8 @@ Per step:
 Step 0 also copies the resident weights (and, in a fresh process, pays CUDA's warm-up); from step 1 on
 only the streamed blocks move.
 
-On a CPU the device is the tests' fake ``cuda:3`` (``tests/fake_accelerator.py``: device buffers are
-host memory) with the tests' recorded streams (``tests/fake_streams.py``), so the ring, its staging
+On a CPU the device is the tests' fake ``cuda:3`` (``tests/support/fake_accelerator.py``: device buffers are
+host memory) with the tests' recorded streams (``tests/support/fake_streams.py``), so the ring, its staging
 thread and its events run for real; there is no GPU time to measure, and no page can be locked: host
 buffers are pretend-pinned as in the tests (``"pinned": "pretend (CPU fake device)"``), so the pin budget
 decides which units skip the staging buffers exactly as on CUDA. The CPU figures show which path each unit
@@ -171,8 +171,8 @@ def probe(device: str = "cuda", layers: int = 4, height: int = 480, width: int =
         tests = str(REPO / "tests")
         if tests not in sys.path:
             sys.path.insert(0, tests)
-        from fake_accelerator import FAKE, recording_transfers
-        from fake_streams import RecordingStreams
+        from support.fake_accelerator import FAKE, recording_transfers
+        from support.fake_streams import RecordingStreams
 
         offloader.apply("block", "cpu")
         streamer = dit._hf_hook

@@ -3,14 +3,14 @@
     .venv/bin/python -m bench.sequential_transient            # writes the package once under /tmp
     .venv/bin/python -m bench.sequential_transient --order none,model,sequential,sequential,none
 
-Each ``--order`` entry is one prompt of the graph of ``tests/test_memory_comfy.py`` (its DiT of about
+Each ``--order`` entry is one prompt of the graph of ``tests/host/test_memory_comfy.py`` (its DiT of about
 0.5 GiB, fp32, memory-mapped; refiner = a hard link to it), run by ComfyUI 0.3.75's ``PromptExecutor``
-in this process (``tests/comfy_inprocess.py``), with ``unload_all_models()`` (what ``/free`` does)
+in this process (``tests/support/comfy_inprocess.py``), with ``unload_all_models()`` (what ``/free`` does)
 before each. Printed per prompt: the RSS at its start and its peak rise (VmHWM, reset at the start).
 ``--fresh`` runs every mode and node layout in its own process instead. About 1.3 GiB of RSS.
 
 ``--server`` runs the graph through a real headless ComfyUI server instead (``python main.py`` of the
-test host, ``tests/comfy_host.py``), on the package of issue 24's finding 11: a dense package whose DiT
+test host, ``tests/support/comfy_host.py``), on the package of issue 24's finding 11: a dense package whose DiT
 and refiner DiT are separate files of 553 MiB each (fp32, hidden 1024, depth 8, memory-mapped).
 ``bench.server_rss`` measures each prompt: a thread polls the server's ``/proc/<pid>/status`` every 50 ms (VmRSS, RssAnon, RssFile); the server's
 websocket ``executing`` events split the samples into stages. Printed per prompt: the peak rise over
@@ -43,7 +43,7 @@ SERVER_DIT = {"hidden_size": 1024, "num_attention_heads": 8, "axes_dims": [32, 4
 
 def ensure_package(root: Path) -> Path:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from conftest import MEMORY_DIT
+    from support.sizes import MEMORY_DIT
 
     from lingbot_core.testing.fixtures import write_package
 
@@ -77,8 +77,8 @@ def without_probes(graph: dict, n: dict) -> dict:
 
 def run(order, layouts, package: Path) -> list:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from comfy_inprocess import InProcessComfy
-    from test_memory_comfy import LAYOUTS, base_then_refine
+    from support.comfy_inprocess import InProcessComfy
+    from support.memory_graphs import LAYOUTS, base_then_refine
 
     host = InProcessComfy(tempfile.mkdtemp(prefix="lingbot-transient-"), {"memory-big": str(package)})
     import comfy.model_management as mm
@@ -113,8 +113,8 @@ def resize(graph: dict, width: int, height: int, frames: int, guidance: float) -
 
 def run_server(order, layouts, package: Path, size=(32, 32, 5), guidance: float = 1.0) -> list:
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from comfy_host import ComfyServer
-    from test_memory_comfy import BIG, LAYOUTS, base_then_refine
+    from support.comfy_host import ComfyServer
+    from support.memory_graphs import BIG, LAYOUTS, base_then_refine
 
     out = []
     with ComfyServer(models={BIG: package}, startup_timeout=300) as server:

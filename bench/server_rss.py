@@ -74,7 +74,7 @@ def stage_peaks(samples: list, events: list, roles: dict, start: dict) -> dict:
 def measure_prompt(server, graph: dict, roles: dict, timeout: float = 900) -> dict:
     """Free the server's models, run ``graph`` and return its RSS row (``roles``: node id -> stage name)."""
     sys.path[:0] = [str(REPO), str(REPO / "tests")]
-    from test_memory_comfy import free_all, reset_peak
+    from support.memory_graphs import free_all, reset_peak
 
     pid = server.proc.pid
     free_all(server)

@@ -5,7 +5,7 @@
     python -m bench.speed --parts device --package PKG --device cuda   # the gpu-check rows (seed workload)
 
 - ``lockstep``: weight bytes copied to the device per denoising step, sequential CFG vs lockstep,
-  measured with the residency tracker (tests/residency.py) on a 6-block tiny dense package under
+  measured with the residency tracker (tests/support/residency.py) on a 6-block tiny dense package under
   offload ``block`` (K = 0 and 2) and ``sequential``, and computed for the full-size dense and MoE
   configs from their module sizes (built on ``meta``: block = streamed blocks once per branch vs
   once per step; sequential adds the per-branch text embedding and output projection);
@@ -52,7 +52,7 @@ def lockstep_part(workdir: Path) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO / "tests"))
-    from residency import ResidencyTracker
+    from support.residency import ResidencyTracker
 
     from lingbot_core import load_pipeline
     from lingbot_core.testing.fixtures import dit_config, write_dit, write_package

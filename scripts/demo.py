@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from comfy_host import ComfyServer, PromptExecutionError, workflow_to_api  # noqa: E402
+from support.comfy_host import ComfyServer, PromptExecutionError, workflow_to_api  # noqa: E402
 
 WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
 INPUT_IMAGE = REPO / "example_workflows" / "lingbot_example_input.png"

@@ -30,7 +30,7 @@ What it does:
    (crisper small text than a 1x render), then saves an optimized PNG.
 
 ``--layout out.json`` also writes the frontend's own layout of every node (stored size, the size it
-computes from slots and widgets, each widget's row): the figures ``tests/workflow_geometry.py`` is
+computes from slots and widgets, each widget's row): the figures ``tests/support/workflow_geometry.py`` is
 calibrated on.
 
 Everything runs in a temporary directory that is removed at the end (``--keep-temp`` keeps it,
@@ -59,7 +59,7 @@ for _p in (REPO, REPO / "tests"):
     if str(_p) not in sys.path:
         sys.path.insert(0, str(_p))
 
-from comfy_host import ws_frame, ws_read_frame  # noqa: E402  (stdlib-only websocket framing)
+from support.comfy_host import ws_frame, ws_read_frame  # noqa: E402  (stdlib-only websocket framing)
 
 DEFAULT_WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
 DEFAULT_OUT = REPO / "docs" / "images" / "workflow_ti2v_refine.png"
@@ -300,7 +300,7 @@ FIT = """(() => {
 })()"""
 
 
-# The frontend's own layout of every node after drawing (for tests/test_example_workflows.py's
+# The frontend's own layout of every node after drawing (for tests/host/test_example_workflows.py's
 # calibration): stored size, the size the frontend computes from slots and widgets, and where each
 # widget was drawn (y from the node's top, below the title).
 LAYOUT = """(() => {
@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from PIL import Image  # ComfyUI's dependency: present in the project venv
 
-    from comfy_host import ComfyServer
+    from support.comfy_host import ComfyServer
     from lingbot_core.testing.fixtures import write_package
 
     chromium = find_chromium(args.chromium)

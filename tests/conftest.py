@@ -2,16 +2,15 @@
 
 import os
 
-from child_runs import prepare
+from support.child_runs import prepare
 
 prepare()  # offline by construction, before transformers/diffusers are imported anywhere
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from support.sizes import MEMORY_DIT, MEMORY_DIT_MEDIUM
 
 torch.set_num_threads(2)
-
-TINY = dict(height=64, width=96, num_frames=5, steps=3)
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +75,7 @@ def comfy_server(packages, tmp_path_factory):
 
     Skipped when no ComfyUI tree is available (scripts/setup-env installs one; or set COMFYUI_DIR).
     """
-    from comfy_host import ComfyServer, comfyui_unavailable_reason
+    from support.comfy_host import ComfyServer, comfyui_unavailable_reason
 
     reason = comfyui_unavailable_reason()
     if reason:
@@ -91,18 +90,11 @@ def comfy_server(packages, tmp_path_factory):
 @pytest.fixture(scope="session")
 def chat_server():
     """A local OpenAI-compatible chat server (127.0.0.1 only) that records requests; see chat_server.py."""
-    from chat_server import ChatCompletionsServer
+    from support.chat_server import ChatCompletionsServer
 
     server = ChatCompletionsServer().start()
     yield server
     server.stop()
-
-
-# DiT configs for memory tests: few but wide layers, so writing the package is quick for its size.
-MEMORY_DIT = {"hidden_size": 1536, "num_attention_heads": 12, "axes_dims": [32, 48, 48], "depth": 3,
-              "intermediate_size": 6144}  # about 0.5 GiB per DiT in fp32
-MEMORY_DIT_MEDIUM = {"hidden_size": 512, "num_attention_heads": 4, "axes_dims": [32, 48, 48], "depth": 2,
-                     "intermediate_size": 2048}  # about 45 MiB per DiT
 
 
 @pytest.fixture(scope="session")
@@ -131,11 +123,22 @@ def memory_packages(tmp_path_factory):
 @pytest.fixture(scope="session")
 def inprocess_observations(packages, tmp_path_factory):
     """What ComfyUI's own executor, run in a child process with the residency tracker and the fake
-    accelerator, observed for the graphs of tests/inprocess_runner.py (one run per session)."""
-    from comfy_host import comfyui_unavailable_reason
-    from inprocess_runner import observations
+    accelerator, observed for the graphs of tests/support/inprocess_runner.py (one run per session)."""
+    from support.comfy_host import comfyui_unavailable_reason
+    from support.inprocess_runner import observations
 
     reason = comfyui_unavailable_reason()
     if reason:
         pytest.skip(reason)
     return observations(packages["dense"], tmp_path_factory.getbasetemp() / "inprocess")
+
+
+@pytest.fixture(scope="module")
+def deep_package(tmp_path_factory):
+    """The tiny fp32 dense package with a DEPTH-block DiT, so that K + 2 < depth (offload ``block``'s ring)."""
+    from lingbot_core.testing.fixtures import dit_config, write_dit, write_package
+    from support.sizes import DEPTH
+
+    root = write_package(tmp_path_factory.mktemp("deep") / "lingbot-tiny-deep", fp32=True, refiner=False, seed=5)
+    write_dit(root / "transformer", {**dit_config(False), "depth": DEPTH}, seed=5, fp32=True)
+    return root

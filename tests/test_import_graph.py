@@ -202,3 +202,81 @@ def test_a_wrong_way_import_in_the_real_tree_is_caught(tmp_path):
     graph = repo_graph(tmp_path, roots=("lingbot_core",))
     assert any("files.checkpoint_files -> lingbot_core.pipeline" in v for v in wing_violations(graph))
     assert find_cycle(graph) is not None
+
+
+# -- the tests: rooms that mirror the code, helpers in support/ ------------------------------------
+
+TESTS = REPO / "tests"
+# tests/<room>/ for each core wing, the core's top level (pipeline), the nodes in a real ComfyUI (host), and the
+# benches and scripts (tooling); lingbot_core/testing/ is checked where the packages it writes are used.
+ROOMS = set(WING_RULES) - {"testing"} | {"pipeline", "host", "tooling"}
+MAX_TOP_TESTS = 5
+
+
+def _top_imports(path: Path) -> set:
+    """First components of the absolute imports in ``path`` (``support`` for ``from support.x import y``)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.partition(".")[0])
+        elif isinstance(node, ast.Import):
+            found |= {a.name.partition(".")[0] for a in node.names}
+    return found
+
+
+def _is_test_module(name: str) -> bool:
+    return name.startswith("test_") or name == "conftest"
+
+
+def suite_violations(tests: Path = TESTS, repo: Path = REPO) -> list:
+    bad = []
+    for path in sorted(tests.rglob("*.py")):
+        rel = path.relative_to(tests)
+        for dep in sorted(_top_imports(path)):
+            if _is_test_module(dep):
+                bad.append(f"tests/{rel} imports {dep} (shared helpers live in tests/support/)")
+    for root in ("lingbot_core", "nodes", "bench", "scripts"):
+        for path in sorted((repo / root).rglob("*.py")):
+            deps = _top_imports(path)
+            if root in ("lingbot_core", "nodes") and "support" in deps:
+                bad.append(f"{path.relative_to(repo)} imports the tests' support package")
+            bad += [f"{path.relative_to(repo)} imports {d} (a test)" for d in sorted(deps) if _is_test_module(d)]
+    return bad
+
+
+def test_tests_import_the_code_and_support_never_one_another():
+    assert suite_violations() == []
+
+
+def test_a_test_importing_another_test_is_caught(tmp_path):
+    (tmp_path / "tests" / "model").mkdir(parents=True)
+    (tmp_path / "tests" / "support").mkdir()
+    (tmp_path / "tests" / "support" / "graphs.py").write_text("from test_lora import lightx2v_lora\n")
+    (tmp_path / "tests" / "model" / "test_a.py").write_text("def f():\n    from conftest import TINY\n")
+    for root in ("lingbot_core", "nodes", "bench", "scripts"):
+        (tmp_path / root).mkdir()
+    (tmp_path / "nodes" / "loader.py").write_text("from support.comfy_graphs import loader\n")
+    assert suite_violations(tmp_path / "tests", tmp_path) == [
+        "tests/model/test_a.py imports conftest (shared helpers live in tests/support/)",
+        "tests/support/graphs.py imports test_lora (shared helpers live in tests/support/)",
+        "nodes/loader.py imports the tests' support package",
+    ]
+
+
+def test_tests_live_in_the_rooms_of_the_code_they_check():
+    top = sorted(p.name for p in TESTS.glob("test_*.py"))
+    assert len(top) <= MAX_TOP_TESTS, top
+    folders = {p.name for p in TESTS.iterdir() if p.is_dir() and p.name not in ("data", "support", "__pycache__")}
+    assert folders == ROOMS
+    for room in ROOMS:
+        files = list((TESTS / room).glob("*.py"))
+        assert files and all(p.name.startswith("test_") or p.name == "conftest.py" for p in files), room
+        assert not (TESTS / room / "__init__.py").exists()  # pytest imports them by file name, as the top's
+    names = [p.name for p in TESTS.rglob("test_*.py")]
+    assert len(names) == len(set(names)), "two test files share a name (pytest imports test files by name)"
+
+
+def test_every_support_module_says_what_it_fakes_or_starts():
+    for path in sorted((TESTS / "support").rglob("*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        assert doc and len(doc.splitlines()[0]) > 20, f"tests/support/{path.relative_to(TESTS / 'support')} needs a docstring"

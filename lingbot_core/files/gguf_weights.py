@@ -10,7 +10,7 @@ for one call only.
 
 The block kernels are written here from the GGML block layouts and evaluated in fp32 in the order of
 gguf-py's numpy ``gguf.quants.dequantize``, which they match bit for bit for every type listed in
-:data:`QUANTIZED_TYPE_NAMES` (tests/test_gguf_weights.py checks each one against it). They never build a
+:data:`QUANTIZED_TYPE_NAMES` (tests/files/test_gguf_weights.py checks each one against it). They never build a
 tensor from Python values on the device (on CUDA a pageable copy that synchronises the host, in every call):
 their few shift vectors are made once per device and cached. The result is cast to the compute dtype
 afterwards, so a bf16 weight is the correctly rounded bf16 of the exact value.
@@ -30,7 +30,7 @@ PLAIN_TYPE_NAMES = ("F32", "F16", "BF16")
 _CHUNK_ELEMENTS = 1 << 26
 # Temporaries of one dequantization beyond its output, per element dequantized at once (the fp32 values,
 # the unpacked fields and scales): at most 12.5 bytes (Q2_K; Q8_0 8.1, Q4_K 9.3, Q6_K 10.5), measured
-# by tests/test_gguf_weights.py. A chunk of 64M elements therefore holds up to 0.8 GiB while it forms.
+# by tests/files/test_gguf_weights.py. A chunk of 64M elements therefore holds up to 0.8 GiB while it forms.
 WORKSPACE_BYTES_PER_ELEMENT = 13
 
 

@@ -152,7 +152,7 @@ class StreamUnit:
 class CudaStreams:
     """The CUDA stream and event calls of the ring, in one place: the compute stream is the current
     stream of the thread that runs the DiT, ``side`` the copy stream. Tests substitute an object with
-    the same methods that records the calls in order (``tests/fake_accelerator.py``)."""
+    the same methods that records the calls in order (``tests/support/fake_accelerator.py``)."""
 
     def __init__(self, device: torch.device):
         self.device = device
