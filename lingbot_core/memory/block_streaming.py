@@ -482,8 +482,9 @@ class BlockStreamer(ModelHook):
     live in the fixed buffers of a :class:`BlockRing`, so at most ``blocks_on_gpu + 2`` blocks are
     resident. After the last block the first streamed block is prefetched for the next forward (the next
     CFG branch or step) unless the stage said this was its last forward (``forwards_left``,
-    :meth:`~lingbot_core.memory.offload.Offloader.expect_forwards`); :meth:`offload_all` (every stage reset) drops everything on the
-    device. Units whose homes were pinned (:meth:`~lingbot_core.memory.offload.Offloader.stage`, within its :class:`PinBudget`) are
+    :meth:`~lingbot_core.memory.offload.Offloader.expect_forwards`); :meth:`offload_all` (every stage reset)
+    drops everything on the device. Units whose homes were pinned
+    (:meth:`~lingbot_core.memory.offload.Offloader.stage`, within its :class:`PinBudget`) are
     copied from there directly; :meth:`unpin_homes` (hook removed) unlocks them.
 
     On a CPU execution device the "copies" are the CPU tensors themselves and neither the ring nor a

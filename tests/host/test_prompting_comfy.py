@@ -12,6 +12,7 @@ import re
 
 import pytest
 
+from support.chat_server import Reply
 from support.comfy_host import execution_error, executed_nodes, workflow_to_api
 from lingbot_core.net.server_list import LOCAL
 from support.comfy_graphs import (
@@ -141,7 +142,7 @@ def test_rewrite_outputs_and_errors(server, chat):
     chat.replies[LORA] = "no json here"
     msg = error_of({**graph, "2": rewrite_node(prompt="another kite")})
     assert re.search(r"not a JSON object.*'no json here'", msg), msg
-    chat.replies[BASE] = __import__("chat_server").Reply(status=500, raw=b"model crashed" + b"!" * 400)
+    chat.replies[BASE] = Reply(status=500, raw=b"model crashed" + b"!" * 400)
     msg = error_of({**graph, "2": rewrite_node(prompt="a third kite")})
     assert "answered HTTP 500" in msg and "model crashed" + "!" * 287 in msg and "!" * 288 not in msg, msg
 
