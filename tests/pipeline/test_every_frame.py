@@ -103,8 +103,8 @@ class Cancelled(Exception):
 def test_cancel_is_honoured_between_windows_and_leaves_nothing_resident(packages, offload):
     """The host's cancel check (``callback.interrupt``) is asked before every window's DiT call: a cancel
     requested during window 1 of step 1 stops the run before window 2 starts, and the stage ends."""
-    from fake_accelerator import fake_accelerator
-    from residency import ResidencyTracker
+    from support.fake_accelerator import fake_accelerator
+    from support.residency import ResidencyTracker
 
     pipe = load_pipeline(packages["dense"], offload=offload, device="cpu")
     try:
