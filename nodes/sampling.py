@@ -85,7 +85,7 @@ class GenerateVideo:
                 "video": ("IMAGE", {"tooltip": "Video-to-video: the input video (e.g. from Get Video Components), any length, stretched to width x height; its length replaces num_frames and the frames come back with the same count. Used when denoise is below 1."}),
                 "video_latent": ("LATENT", {"tooltip": "Video-to-video from a latent instead of frames: a LingBot-Video / Wan 2.1 latent (GenerateVideo's latent output); its size sets width, height and num_frames."}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
-                            "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); about 0.5-0.7 restyles, 0.2-0.4 keeps the motion and layout closely."}),
+                            "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); lower keeps more of the video (with shift 3: 0.3 starts at sigma 0.57, 0.5 at 0.75, 0.7 at 0.88)."}),
                 **_context_inputs(1, "1 = off (the whole video in one pass)."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
