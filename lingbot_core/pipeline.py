@@ -611,7 +611,6 @@ class LingbotPipeline:
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, video.shape[0])  # before the video is VAE-encoded
         indices = refiner_frame_indices(video.shape[0], fps, max_frames)
-        check_video_size(padded_frame_count(len(indices)), height, width)
         # Every kept frame is refined: the tail is padded to 4n+1 for the VAE and trimmed after decoding.
         lowres = pad_frames(resize_frames(video[indices].float().clamp(0, 1), height, width), padded_frame_count(len(indices)), dim=2)
         tiling = dict(tiling=vae_tiling, tile_size=tile_size, tile_stride=tile_stride)

@@ -1,7 +1,7 @@
 """Video-to-video (``denoise`` on an input video) and context windows (issue 34), on the tiny packages.
 
 Expected numbers come from the documented rules, computed here on their own: the FlowUniPC grid
-(docs: sigma = s b / (1 + (s - 1) b), b = linspace(0.999, 0, N + 1)[:-1]), the cut at ``denoise``, the
+(docs: sigma = s b / (1 + (s - 1) b), b = linspace(0.999, 0, N + 1)[:-1]), the last ``steps`` of an int(steps / denoise)-step grid (issue 39: KSampler's rule), the
 re-noise ``(1 - s) x + s noise`` with the noise of the seed's generator, and the video posterior drawn
 from the generator of sha256("lingbot-video v2v posterior " + seed as 8 little-endian bytes).
 """
