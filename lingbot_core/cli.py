@@ -1,6 +1,8 @@
 """Command line: ``python -m lingbot_core generate --model_dir DIR --mode t2v --prompt_json p.json ...`` (or, instead
 of ``--model_dir``, ``--transformer_file F.gguf --text_encoder_file qwen3vl_4b_bf16.safetensors --vae_file
-wan_2.1_vae.safetensors``) and
+wan_2.1_vae.safetensors``; ``--video in.mp4 --denoise 0.5`` for video-to-video),
+``python -m lingbot_core refine --model_dir MOE_DIR --video in.mp4 --prompt "..." --output out.mp4`` (every frame
+through the refiner, at the source's frame rate) and
 ``python -m lingbot_core rewrite --prompt "..." --system_prompts rewriter/ --base_url URL ... --output p.json``."""
 
 from __future__ import annotations
@@ -22,11 +24,39 @@ BUCKETS = {
 }
 
 
+def _window_flags(parser, frames_flag: str, overlap_flag: str, default_frames: int, off: str) -> None:
+    from .sampling.context_windows import DEFAULT_OVERLAP
+
+    parser.add_argument(frames_flag, type=int, default=default_frames,
+                        help=f"context windows: the DiT sees the video as overlapping clips of this many frames (4n+1; {off})")
+    parser.add_argument(overlap_flag, type=int, default=DEFAULT_OVERLAP,
+                        help="frames neighbouring windows share (a multiple of 4)")
+
+
+def _read_video(path):
+    """(frames (T, H, W, 3) float32 in [0, 1], fps) of a local video file, within the pipeline's limits."""
+    import torch
+
+    from .files.video_io import read_video_file
+    from .model.latents import MAX_FRAMES, MAX_SIDE
+
+    data, fps = read_video_file(path, max_frames=MAX_FRAMES, max_side=MAX_SIDE)
+    logging.info("video: %s, %d frames of %dx%d at %.3f fps", path, data.shape[0], data.shape[2], data.shape[1], fps)
+    return torch.from_numpy(data).float().div_(255.0), fps
+
+
+def _snapped(side: int) -> int:
+    from .model.latents import SIZE_MULTIPLE
+
+    return max(SIZE_MULTIPLE, side // SIZE_MULTIPLE * SIZE_MULTIPLE)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .model.attention import ATTENTION_CHOICES
     from .loading import DIT_DTYPES
     from .model.lora import parse_lora_arg
     from .memory.offload import OFFLOAD_MODES
+    from .sampling.context_windows import REFINER_CONTEXT_FRAMES
     from .sampling.scheduling import SAMPLERS, parse_sigmas
 
     parser = argparse.ArgumentParser(prog="python -m lingbot_core", description="LingBot-Video inference.")
@@ -78,6 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "euler (flow Euler, for distilled models) or dmd_student (the 8-step DMD student's sampler)")
     g.add_argument("--sigmas", default=None, type=parse_sigmas,
                    help="explicit decreasing sigma list replacing --steps/--shift, e.g. '1.0,0.9,0.75,0.5'")
+    g.add_argument("--video", default=None,
+                   help="video-to-video: an input video file (any length; its frame count, and with no --height/--width "
+                        "its size rounded down to a multiple of 16, set the output's; written at its frame rate)")
+    g.add_argument("--denoise", type=float, default=1.0,
+                   help="video-to-video strength as in ComfyUI's KSampler: --steps steps run, the last ones of a "
+                        "steps/denoise-step grid (1.0 = plain text-to-video; e.g. 0.5)")
+    _window_flags(g, "--context_frames", "--context_overlap", 0, "0 = off")
     g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")
     g.add_argument("--refiner_output", default=None, help="mp4 path of the refined video")
     g.add_argument("--refiner_height", type=int, default=1088)
@@ -88,6 +125,37 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--refiner_max_video_frames", type=int, default=None)
     g.add_argument("--refiner_lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
                    help="a .safetensors LoRA for the refiner DiT (repeatable)")
+    _window_flags(g, "--refiner_context_frames", "--refiner_context_overlap", REFINER_CONTEXT_FRAMES,
+                  "the refiner's clip; 0 = the whole video as one clip")
+    f = sub.add_parser("refine", help="a video file through the refiner (e.g. an upscale to 1080p): every frame in, mp4 out")
+    f.add_argument("--model_dir", default=None, help="the MoE package root (its refiner/ is loaded)")
+    f.add_argument("--refiner_file", default=None, help="the refiner DiT as one file (with --text_encoder_file and --vae_file)")
+    f.add_argument("--text_encoder_file", default=None, help="Qwen3-VL-4B as one .safetensors file")
+    f.add_argument("--vae_file", default=None, help="the Wan 2.1 VAE as one .safetensors file")
+    f.add_argument("--video", required=True, help="the input video file (any length, size and frame rate)")
+    fsrc = f.add_mutually_exclusive_group(required=True)
+    fsrc.add_argument("--prompt", help="prompt text (a JSON caption string or plain text) describing the video")
+    fsrc.add_argument("--prompt_json", help="a rewriter prompt.json")
+    f.add_argument("--negative_prompt", default=None, help="negative text (default: the refiner's zeroed negative)")
+    f.add_argument("--height", type=int, default=1088)
+    f.add_argument("--width", type=int, default=1920)
+    f.add_argument("--steps", type=int, default=8)
+    f.add_argument("--guidance_scale", type=float, default=3.0)
+    f.add_argument("--shift", type=float, default=3.0)
+    f.add_argument("--t_thresh", type=float, default=0.85, help="noise level the refinement starts from (lower keeps more)")
+    f.add_argument("--tail_steps", type=int, default=2)
+    f.add_argument("--seed", type=int, default=42)
+    f.add_argument("--no_vae_tiling", action="store_true", help="untiled VAE encode/decode (default: tiled, as the reference)")
+    _window_flags(f, "--context_frames", "--context_overlap", REFINER_CONTEXT_FRAMES,
+                  "the refiner's clip; 0 = the whole video as one clip")
+    f.add_argument("--step_cache", type=float, default=0.0)
+    f.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none")
+    f.add_argument("--blocks_on_gpu", type=int, default=0)
+    f.add_argument("--dit_precision", choices=list(DIT_DTYPES), default=None)
+    f.add_argument("--device", default=None)
+    f.add_argument("--lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
+                   help="a .safetensors LoRA for the refiner DiT (repeatable)")
+    f.add_argument("--output", default="refined.mp4", help="mp4 path (written at the source's frame rate, at most 24)")
     r = sub.add_parser("rewrite", help="prose -> structured JSON caption (prompt.json) through a chat server")
     r.add_argument("--prompt", required=True, help="the prose prompt")
     r.add_argument("--mode", choices=["t2v", "ti2v", "t2i"], default="t2v")
@@ -158,6 +226,7 @@ def generate(args) -> int:
     from . import load_pipeline, parse_prompt
     from .prompts.text_conditioning import compact_json, frames_for_prompt, read_prompt_file
     from .files.video_io import write_png, write_video
+    from .model.refiner import refiner_output_fps
 
     # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
     # the caption, and a validated duration.
@@ -168,7 +237,12 @@ def generate(args) -> int:
     negative = args.negative_prompt
     if args.negative_prompt_json:
         negative = compact_json(json.loads(read_prompt_file(args.negative_prompt_json)))
+    video, fps = (None, float(args.fps)) if args.video is None else _read_video(args.video)
+    if video is not None and args.mode == "t2i":
+        raise SystemExit("error: --video needs --mode t2v (or ti2v), not t2i.")
     height, width = (192, 320) if args.resolution is None else BUCKETS[args.resolution][args.ratio]
+    if video is not None and args.resolution is None:
+        height, width = _snapped(video.shape[1]), _snapped(video.shape[2])  # the source's size
     height, width = args.height or height, args.width or width
     num_frames = 1 if args.mode == "t2i" else frames_for_prompt(parsed, args.num_frames, args.fps)
     if args.mode == "ti2v" and not args.image:
@@ -189,23 +263,50 @@ def generate(args) -> int:
     frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
                            shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
-                           sampler=args.sampler, sigmas=args.sigmas)
-    if num_frames == 1:
+                           sampler=args.sampler, sigmas=args.sigmas, video=video, denoise=args.denoise,
+                           context_frames=args.context_frames, context_overlap=args.context_overlap)
+    if num_frames == 1 and video is None:
         out = write_png(frames[0], Path(args.output).with_suffix(".png"))
     else:
-        out = write_video(frames, args.output, fps=args.fps)
+        out = write_video(frames, args.output, fps=fps)
     print(out)
-    if args.run_refiner and num_frames > 1:
+    if args.run_refiner and len(frames) > 1:
         pipe.release()  # the refiner pipeline needs its own components; free the base first
         refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
                                 loras=args.refiner_lora, transformer_file=args.refiner_file, **dit)
         refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
                                  steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
                                  t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,
-                                 seed=args.seed, fps=args.fps, max_frames=args.refiner_max_video_frames,
-                                 callback=_progress("refine"), step_cache=args.step_cache)
+                                 seed=args.seed, fps=fps, max_frames=args.refiner_max_video_frames,
+                                 callback=_progress("refine"), step_cache=args.step_cache,
+                                 context_frames=args.refiner_context_frames, context_overlap=args.refiner_context_overlap)
         path = args.refiner_output or str(Path(args.output).with_name(Path(args.output).stem + "_refined.mp4"))
-        print(write_video(refined, path, fps=24))
+        print(write_video(refined, path, fps=refiner_output_fps(fps)))
+    return 0
+
+
+def refine(args) -> int:
+    from . import load_pipeline
+    from .files.video_io import write_video
+    from .model.refiner import refiner_output_fps
+    from .prompts.text_conditioning import read_prompt_file
+
+    if args.model_dir is None and not (args.refiner_file and args.text_encoder_file and args.vae_file):
+        missing = [f"--{n}" for n in ("refiner_file", "text_encoder_file", "vae_file") if not getattr(args, n)]
+        raise SystemExit(f"error: give --model_dir (the MoE package), or the three files: {', '.join(missing)} "
+                         f"{'is' if len(missing) == 1 else 'are'} missing.")
+    prompt = read_prompt_file(args.prompt_json) if args.prompt_json else args.prompt
+    video, fps = _read_video(args.video)
+    pipe = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
+                         loras=args.lora, transformer_file=args.refiner_file, blocks_on_gpu=args.blocks_on_gpu,
+                         dtypes={"transformer": args.dit_precision} if args.dit_precision else None,
+                         text_encoder_file=args.text_encoder_file, vae_file=args.vae_file)
+    refined = pipe.refine(video, prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
+                          steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, t_thresh=args.t_thresh,
+                          tail_steps=args.tail_steps, seed=args.seed, fps=fps, vae_tiling=not args.no_vae_tiling,
+                          callback=_progress("refine"), step_cache=args.step_cache,
+                          context_frames=args.context_frames, context_overlap=args.context_overlap)
+    print(write_video(refined, args.output, fps=refiner_output_fps(fps)))
     return 0
 
 
@@ -220,6 +321,8 @@ def main(argv=None) -> int:
 
             print(write_original_wan21(args.model_dir, args.output))
             return 0
+        if args.command == "refine":
+            return refine(args)
         return rewrite(args) if args.command == "rewrite" else generate(args)
     except (ValueError, FileNotFoundError, ChatServerError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -20,7 +20,7 @@ import torch
 
 from .model.latents import (
     REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
-    preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
+    pad_frames, padded_frame_count, preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
 )
 from .model.lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
 from .memory.budget import trim_heap
@@ -32,7 +32,7 @@ from .model.transformer import converted_bytes
 from .sampling.context_windows import DEFAULT_OVERLAP, REFINER_CONTEXT_FRAMES, ContextWindows, check_context
 from .sampling.sampler import StepCallback, sample
 from .sampling.scheduling import (
-    check_sampler, check_sigmas, denoise_sigmas, dmd_package_reason, refiner_sigmas, sampler_sigmas,
+    check_sampler, check_sigmas, denoise_grid_steps, dmd_package_reason, refiner_sigmas, sampler_sigmas,
 )
 from .sampling.speed import SpeedOptions, apply_speed
 from .sampling.step_cache import check_step_cache, make_step_cache
@@ -395,7 +395,8 @@ class LingbotPipeline:
         ``windows`` (lingbot_core.sampling.context_windows.check_context) runs the DiT on overlapping windows of
         latent frames, each a standalone clip, and blends their velocities; None = the whole latent at once.
         ``callback.interrupt``, when the callback has one (a callable that raises to cancel), also runs before
-        each streamed DiT block under offload ``block``, so a long step can be cancelled between blocks.
+        each context window's DiT call and before each streamed DiT block under offload ``block``, so a long
+        step can be cancelled between windows and blocks (the stage then ends: nothing stays resident).
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -423,7 +424,7 @@ class LingbotPipeline:
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
                     lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler, generator=generator,
-                    windows=windows,
+                    windows=windows, interrupt=interrupt,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
@@ -441,14 +442,20 @@ class LingbotPipeline:
 
     @torch.no_grad()
     def decode(self, latents: torch.Tensor, *, tiling: bool = False, tile_size: Tuple[int, int] = REFINER_TILE,
-               tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE) -> torch.Tensor:
+               tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE, num_frames: Optional[int] = None) -> torch.Tensor:
         """DiT-space latents (1, 16, T', h, w) -> frames (T, H, W, 3) float32 in [0, 1] on the CPU.
 
         ``tiling`` decodes in overlapping spatial tiles (``tile_size`` pixels, ``tile_stride`` apart, blended
-        over the overlap), as the reference's refiner does; only frames larger than a tile are tiled."""
+        over the overlap), as the reference's refiner does; only frames larger than a tile are tiled.
+        ``num_frames`` keeps the first that many frames (a video whose length is not 4n+1 was sampled with its
+        tail padded: this trims the padding off); None keeps all 4(T' - 1) + 1."""
         self._require_loaded()
+        decoded = (latents.shape[2] - 1) * 4 + 1
+        if num_frames is not None and not 1 <= int(num_frames) <= decoded:
+            raise ValueError(f"num_frames={num_frames} is not allowed: this latent decodes to {decoded} frames (1 to {decoded}).")
         with self.offloader.stage(), vae_tiling(self.vae, tiling, tile_size, tile_stride):
-            return vae_decode(self.vae, self.normalizer.to_vae(latents), self.offloader.execution_device("vae"))
+            frames = vae_decode(self.vae, self.normalizer.to_vae(latents), self.offloader.execution_device("vae"))
+        return frames if num_frames is None else frames[: int(num_frames)]
 
     # -- runs ------------------------------------------------------------------------------------
 
@@ -470,13 +477,16 @@ class LingbotPipeline:
         Returns frames (T, H, W, 3) float32 in [0, 1], or the final DiT-space latent for ``output_type="latent"``.
         ``step_cache``: a threshold (0 = off) for skipping the DiT's block stack on easy steps (lingbot_core.sampling.step_cache).
 
-        Video-to-video: ``video`` (T, H, W, 3) in [0, 1] is resized (bicubic, stretched) to ``height x width``
-        and cut to its first 4n+1 frames; its length replaces ``num_frames``. ``video_latent`` (1, 16, T', h, w) in
+        Video-to-video: ``video`` (T, H, W, 3) in [0, 1], any length, is resized (bicubic, stretched) to
+        ``height x width``; its length replaces ``num_frames`` and the frames come back with exactly that length
+        (it is sampled at the next 4n+1 length, its last frame repeated, and trimmed after decoding; a
+        ``"latent"`` output keeps the padded length). ``video_latent`` (1, 16, T', h, w) in
         Wan 2.1 VAE space (ComfyUI's LATENT, e.g. GenerateVideo's latent output) is an already encoded video (its
-        size replaces height/width/num_frames; no posterior draw). ``denoise`` in
-        (0, 1): the run's grid is cut at ``denoise`` (kept sigmas <= it, ``denoise`` prepended, as the refiner
-        cuts at t_thresh), the encoded video is re-noised to the first sigma, ``(1 - s) x + s noise``, and
-        denoised with the prompt. ``denoise`` 1.0 is plain T2V/TI2V (the video is not used).
+        size replaces height/width/num_frames; no posterior draw). ``denoise`` in (0, 1) is ComfyUI KSampler's
+        strength: ``steps`` steps run, the last ``steps`` of the ``int(steps / denoise)``-step grid of the run's
+        sampler (lingbot_core.sampling.scheduling.denoise_sigmas); the encoded video is re-noised to that grid's
+        first sigma, ``(1 - s) x + s noise``, and denoised with the prompt. Explicit ``sigmas`` run as given, from
+        their first value. ``denoise`` 1.0 is plain T2V/TI2V (the video is not used, only its length).
         With an ``image``, frame 0 is pinned to it as in TI2V.
 
         RNG order: the run's generator (seeded with ``seed``) draws the TI2V first-frame posterior, the
@@ -493,13 +503,11 @@ class LingbotPipeline:
         if video is not None and video_latent is not None:
             raise ValueError("give either video (frames) or video_latent, not both.")
         denoise = _check_denoise(denoise)
+        keep = None  # the input video's own frame count: the decoded frames are trimmed back to it
         if video is not None:
             video = _video_frames(video)
-            usable = (int(video.shape[0]) - 1) // 4 * 4 + 1
-            if usable != video.shape[0]:
-                logger.warning("LingBot-Video: the input video has %d frames; video-to-video uses the first %d "
-                               "(frame counts are 4n+1).", video.shape[0], usable)
-            num_frames = usable
+            keep = int(video.shape[0])
+            num_frames = padded_frame_count(keep)  # sampled at 4n+1: the tail is padded, then trimmed
         if video_latent is not None:
             video_latent = self.normalizer.to_dit(self._check_video_latent(video_latent))
             _, _, t_lat, h_lat, w_lat = video_latent.shape
@@ -509,12 +517,15 @@ class LingbotPipeline:
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
         sampler = self._resolve_sampler(sampler)
-        sigmas = sampler_sigmas(sampler, steps, float(shift), sigmas)
+        explicit = sigmas is not None
         v2v = (video is not None or video_latent is not None) and denoise < 1.0
         if (video is not None or video_latent is not None) and not v2v:
             logger.info("LingBot-Video: denoise 1.0 is plain text-to-video; the input video is not used.")
+        sigmas = sampler_sigmas(sampler, steps, float(shift), sigmas, denoise if v2v else 1.0)
         if v2v:
-            sigmas = denoise_sigmas(sigmas, denoise)
+            logger.info("LingBot-Video V2V: %d steps from sigma %.4f (denoise %g%s).", len(sigmas), float(sigmas[0]), denoise,
+                        " ignored: the explicit sigmas run as given" if explicit else
+                        f": the last {steps} of a {denoise_grid_steps(steps, denoise)}-step grid")
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
@@ -524,7 +535,8 @@ class LingbotPipeline:
         source = None
         if v2v:
             if video_latent is None:
-                posterior = self.encode_video(resize_frames(video[:num_frames].float().clamp(0, 1), height, width))
+                pixels = pad_frames(resize_frames(video.float().clamp(0, 1), height, width), num_frames, dim=2)
+                posterior = self.encode_video(pixels)
                 video_latent = self.normalizer.to_dit(posterior.sample(torch.Generator("cpu").manual_seed(video_noise_seed(seed))))
             source = video_latent.float()
         embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
@@ -540,7 +552,7 @@ class LingbotPipeline:
                                windows=windows)
         if output_type == "latent":
             return latents
-        return _output(self.decode(latents), output_type)
+        return _output(self.decode(latents, num_frames=keep), output_type)
 
     def _check_video_latent(self, latent: torch.Tensor) -> torch.Tensor:
         channels = self.transformer.config.in_channels
@@ -599,7 +611,8 @@ class LingbotPipeline:
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, video.shape[0])  # before the video is VAE-encoded
         indices = refiner_frame_indices(video.shape[0], fps, max_frames)
-        lowres = resize_frames(video[indices].float().clamp(0, 1), height, width)
+        # Every kept frame is refined: the tail is padded to 4n+1 for the VAE and trimmed after decoding.
+        lowres = pad_frames(resize_frames(video[indices].float().clamp(0, 1), height, width), padded_frame_count(len(indices)), dim=2)
         tiling = dict(tiling=vae_tiling, tile_size=tile_size, tile_stride=tile_stride)
         # RNG order (fresh generator): video posterior, TI2V first-frame posterior, then the noise.
         generator = torch.Generator("cpu").manual_seed(seed)
@@ -619,4 +632,4 @@ class LingbotPipeline:
                                callback=callback, step_cache=step_cache, sampler=sampler, windows=windows)
         if output_type == "latent":
             return latents
-        return _output(self.decode(latents, **tiling), output_type)
+        return _output(self.decode(latents, num_frames=len(indices), **tiling), output_type)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from ..lingbot_core import parse_prompt
+from ..lingbot_core.model.refiner import refiner_output_fps
 from ..lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
 from ..lingbot_core.sampling.context_windows import DEFAULT_OVERLAP, MAX_CONTEXT_FRAMES, REFINER_CONTEXT_FRAMES
 from ..lingbot_core.sampling.scheduling import SAMPLERS, parse_sigmas
@@ -81,10 +82,10 @@ class GenerateVideo:
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
                 "sampler": (list(SAMPLERS), {"default": "auto", "tooltip": "auto: the package's own sampler (dmd_student for the DMD-distilled MoE student, unipc for every other package). unipc: the reference solver (also what LightX2V runs its four-step LoRA with). euler: flow Euler, for distilled models trained with it. dmd_student: the 8-step DMD student's sampler (use 8 steps, guidance 1.0, shift 3.0)."}),
                 "sigmas": ("STRING", {"default": "", "tooltip": "Optional explicit noise levels, strictly decreasing in (0, 1], e.g. 1.0, 0.9, 0.75, 0.5 (a final 0 is added). They replace steps and shift. Empty = the steps/shift grid. Not with dmd_student (it keeps its own grid)."}),
-                "video": ("IMAGE", {"tooltip": "Video-to-video: the input video (e.g. from Get Video Components), stretched to width x height; its first 4n+1 frames set num_frames. Used when denoise is below 1."}),
+                "video": ("IMAGE", {"tooltip": "Video-to-video: the input video (e.g. from Get Video Components), any length, stretched to width x height; its length replaces num_frames and the frames come back with the same count. Used when denoise is below 1."}),
                 "video_latent": ("LATENT", {"tooltip": "Video-to-video from a latent instead of frames: a LingBot-Video / Wan 2.1 latent (GenerateVideo's latent output); its size sets width, height and num_frames."}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
-                            "tooltip": "Video-to-video strength: the noise level the input video is re-noised to (the schedule is cut there). 1.0 = plain text/image-to-video (the video is ignored); about 0.5-0.7 restyles, 0.2-0.4 keeps the motion and layout closely."}),
+                            "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); lower keeps more of the video (with shift 3: 0.3 starts at sigma 0.57, 0.5 at 0.75, 0.7 at 0.88)."}),
                 **_context_inputs(1, "1 = off (the whole video in one pass)."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
@@ -110,7 +111,8 @@ class GenerateVideo:
             step_cache=step_cache, sampler=sampler, sigmas=explicit, video=video, video_latent=samples, denoise=denoise,
             context_frames=_context_frames(context_frames), context_overlap=context_overlap,
         )
-        return (pipe.decode(latents), _latent_output(pipe, latents))
+        keep = None if video is None else int(video.shape[0])  # the video's own length (sampled padded to 4n+1)
+        return (pipe.decode(latents, num_frames=keep), _latent_output(pipe, latents))
 
 
 class Refine:
@@ -120,9 +122,12 @@ class Refine:
     )
     CATEGORY = "LingBot-Video"
     FUNCTION = "refine"
-    RETURN_TYPES = ("IMAGE",)
-    RETURN_NAMES = ("frames",)
-    OUTPUT_TOOLTIPS = ("The refined frames (T, H, W, 3) at the refiner size.",)
+    RETURN_TYPES = ("IMAGE", "FLOAT")
+    RETURN_NAMES = ("frames", "fps")
+    OUTPUT_TOOLTIPS = ("The refined frames (T, H, W, 3) at the refiner size: as many as came in (at 24 fps or slower), or the "
+                       "same duration resampled to 24 fps.",
+                       "The refined frames' frame rate: fps, or 24 when fps was faster. Connect it to CreateVideo's fps so "
+                       "picture and sound keep the same length.")
 
     @classmethod
     def INPUT_TYPES(cls):
@@ -145,7 +150,7 @@ class Refine:
             },
             "optional": {
                 "first_frame": ("IMAGE", {"tooltip": "Image-to-video only: the original input image, re-pinned as the clean first frame."}),
-                "fps": ("INT", {"default": 24, "min": 1, "max": 120, "tooltip": "Frame rate of the base video; faster videos are resampled to 24 fps."}),
+                "fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 0.001, "tooltip": "Frame rate of the base video (connect Get Video Components' fps); faster videos are resampled to 24 fps, keeping their duration."}),
                 "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
                 **_context_inputs(REFINER_CONTEXT_FRAMES, "121 = the refiner's clip (5 s); 1 = off (the whole video as one clip: only for short videos)."),
@@ -164,4 +169,4 @@ class Refine:
             fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id), step_cache=step_cache,
             context_frames=_context_frames(context_frames), context_overlap=context_overlap,
         )
-        return (out,)
+        return (out, refiner_output_fps(fps))

@@ -1,5 +1,6 @@
-"""Video files: reading a server's mp4 (checked before it is decoded), and writing frames to mp4 /
-png and a contact sheet (CLI and demo only; ComfyUI has its own savers)."""
+"""Video files: reading a server's mp4 (checked before it is decoded) and a local video (the command
+line's ``--video``), and writing frames to mp4 / png and a contact sheet (CLI and demo only; ComfyUI has its
+own loaders and savers)."""
 
 from __future__ import annotations
 
@@ -106,6 +107,43 @@ def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray
     if count != frames:
         raise VideoMismatch(f"{count} frames of {width}x{height} but {asked} were asked for")
     return out
+
+
+def read_video_file(path, *, max_frames: int, max_side: int):
+    """A local video file's first video stream as ((T, H, W, 3) uint8, fps), for the command line.
+
+    The header is checked first (size at most ``max_side``, at most ``max_frames`` frames when it says), and
+    decoding stops with an error past ``max_frames`` frames, so a huge file is refused before it fills RAM."""
+    import av
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no video file at {path}")
+    try:
+        container = av.open(str(path), mode="r")
+    except av.error.FFmpegError as e:
+        raise ValueError(f"{path} is not a video file FFmpeg can read ({type(e).__name__}).") from None
+    with container:
+        if not container.streams.video:
+            raise ValueError(f"{path} has no video stream.")
+        stream = container.streams.video[0]
+        info = _stream_info(stream)
+        if max(info.width, info.height) > max_side:
+            raise ValueError(f"{path} is {info.width}x{info.height}; at most {max_side} pixels a side are accepted.")
+        too_long = (f"{path} has more than {max_frames} frames; cut it (e.g. ffmpeg -i in.mp4 -frames:v {max_frames} "
+                    "out.mp4) or refine it in parts.")
+        if info.frames is not None and info.frames > max_frames + FRAME_SLACK:
+            raise ValueError(too_long)
+        frames = []
+        for frame in container.decode(stream):
+            if len(frames) == max_frames:
+                raise ValueError(too_long)
+            frames.append(frame.to_ndarray(format="rgb24"))
+    if not frames:
+        raise ValueError(f"{path} has no video frames.")
+    if info.fps is None:
+        raise ValueError(f"{path} does not state its frame rate.")
+    return np.stack(frames), info.fps
 
 
 def to_uint8(frames) -> np.ndarray:

@@ -67,6 +67,25 @@ def _as_int(value):
         return value
 
 
+def padded_frame_count(frames: int) -> int:
+    """The 4n+1 frame count (at least ``frames``) a video of ``frames`` frames is sampled at: the VAE's
+    latent frame 0 stands for one frame and each further one for four, so other lengths are padded."""
+    return (max(int(frames), 1) - 1 + TEMPORAL_COMPRESSION - 1) // TEMPORAL_COMPRESSION * TEMPORAL_COMPRESSION + 1
+
+
+def pad_frames(video: torch.Tensor, frames: int, dim: int) -> torch.Tensor:
+    """``video`` extended along ``dim`` to ``frames`` frames by repeating its last frame (a held frame: the
+    padded tail is a still, whose last latent frame keeps the real frames better than a reflected tail: see
+    README, "Video-to-video and long videos"). Trim the decoded frames back to the video's own count."""
+    extra = int(frames) - video.shape[dim]
+    if extra < 0:
+        raise ValueError(f"cannot pad a video of {video.shape[dim]} frames to {frames}.")
+    if extra == 0:
+        return video
+    last = video.narrow(dim, video.shape[dim] - 1, 1)
+    return torch.cat([video, last.expand(*[extra if d == dim else -1 for d in range(video.ndim)])], dim=dim)
+
+
 def latent_shape(num_frames: int, height: int, width: int, channels: int = 16) -> Tuple[int, ...]:
     return (1, channels, (num_frames - 1) // TEMPORAL_COMPRESSION + 1, height // SPATIAL_COMPRESSION, width // SPATIAL_COMPRESSION)
 

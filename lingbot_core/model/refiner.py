@@ -14,20 +14,25 @@ REFINER_FPS = 24.0
 
 
 def refiner_frame_indices(num_frames: int, src_fps: float = REFINER_FPS, max_frames: Optional[int] = None) -> List[int]:
-    """Which source frames the refiner sees: resampled to 24 fps when faster, then 4n+1 (rounded down,
-    so never more than the source has).
+    """Which source frames the refiner sees: every frame, or resampled to 24 fps (the refiner's rate) when
+    the source is faster, spread over the whole clip so its duration is kept (``refiner_output_fps``).
 
-    ``max_frames`` caps the count afterwards (not re-snapped to 4n+1, as the reference).
+    Any count is kept (the pipeline pads it to 4n+1 for the VAE and trims the result); the reference rounds
+    down to 4n+1 instead, dropping up to three frames. ``max_frames`` caps the count afterwards.
     """
     if not np.isfinite(src_fps) or src_fps <= 0:
         raise ValueError(f"fps must be a positive number, got {src_fps}.")
-    raw = int(num_frames / src_fps * REFINER_FPS) if src_fps > REFINER_FPS else num_frames
-    count = ((raw - 1) // 4) * 4 + 1
+    count = int(num_frames / src_fps * REFINER_FPS) if src_fps > REFINER_FPS else num_frames
     if max_frames is not None and max_frames > 0:
         count = min(count, int(max_frames))
     if count < 1:
         raise ValueError(f"{num_frames} frames at {src_fps} fps leave no frame for the refiner.")
     return np.linspace(0, num_frames - 1, count).astype(np.int64).tolist()
+
+
+def refiner_output_fps(src_fps: float) -> float:
+    """The frame rate of the refined frames: the source's, or 24 when it was faster (resampled)."""
+    return min(float(src_fps), REFINER_FPS)
 
 
 def first_frame_pixels(image, base_height: int, base_width: int, height: int, width: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ def sample(
     sampler: str = "unipc",
     generator: Optional[torch.Generator] = None,
     windows: Optional[ContextWindows] = None,
+    interrupt: Optional[Callable[[], None]] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -55,6 +56,8 @@ def sample(
     is written into the whole latent, so only the window holding frame 0 sees it. With one window (a
     video no longer than a window, or ``windows`` None) the DiT gets the whole latent, as before.
     A ``step_cache`` needs one branch state per CFG branch per window (window-major).
+    ``interrupt`` (the host's cancel check, a callable that raises to cancel) runs before every window's DiT
+    call when there are several, so a cancel waits for one window, not for a whole step.
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
@@ -96,6 +99,8 @@ def sample(
         else:
             v = torch.zeros_like(x)
             for k, ((start, end), w) in enumerate(zip(spans, weights)):
+                if interrupt is not None:
+                    interrupt()
                 v[:, :, start:end] += guided(x[:, :, start:end], t_model, k) * w
         x0 = x - scheduler.sigmas[i].item() * v
         x = scheduler.step(v, t, x).prev_sample

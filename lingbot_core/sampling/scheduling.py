@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -40,8 +40,7 @@ def timesteps_from_sigmas(sigmas: np.ndarray) -> np.ndarray:
 
 def cut_sigmas(grid: np.ndarray, start: float) -> np.ndarray:
     """An SDEdit start: the grid's sigmas at or below ``start`` (within 1e-6), with ``start`` itself
-    prepended unless the first kept value is within 1e-6 of it. The refiner cuts at ``t_thresh``, a
-    video-to-video run at its ``denoise`` strength."""
+    prepended unless the first kept value is within 1e-6 of it (the refiner's ``t_thresh`` rule)."""
     grid = np.asarray(grid, dtype=np.float64)
     kept = grid[grid <= start + 1e-6]
     if len(kept) == 0 or abs(kept[0] - start) > 1e-6:
@@ -49,15 +48,34 @@ def cut_sigmas(grid: np.ndarray, start: float) -> np.ndarray:
     return kept
 
 
-def denoise_sigmas(grid: np.ndarray, denoise: float) -> np.ndarray:
-    """A video-to-video schedule: ``grid`` (the run's full grid) cut at ``denoise`` in (0, 1), as float32
-    (the precision the refiner hands its cut list to the solver in). The latent is re-noised to its first value."""
-    if not np.isfinite(denoise) or not 0.0 < denoise < 1.0:
-        raise ValueError(f"denoise={denoise} must be in (0, 1) for a cut schedule (1.0 is plain text-to-video).")
-    kept = cut_sigmas(grid, denoise)
-    if len(kept) == 0 or not np.all(np.isfinite(kept)) or kept.min() <= 0 or np.any(np.diff(kept) >= 0):
-        raise ValueError(f"invalid video-to-video sigma schedule {kept.tolist()} (denoise={denoise}).")
-    return kept.astype(np.float32)
+MAX_DENOISE_GRID = 100_000  # steps of the full grid a low denoise samples the tail of
+
+
+def denoise_grid_steps(steps: int, denoise: float) -> int:
+    """The length of the full grid whose last ``steps`` a video-to-video run samples: ``int(steps /
+    denoise)`` (ComfyUI KSampler's rule), ``steps`` itself at ``denoise`` 1."""
+    if not np.isfinite(denoise) or not 0.0 < denoise <= 1.0:
+        raise ValueError(f"denoise={denoise} must be in (0, 1] (1.0 is plain text-to-video).")
+    total = max(int(steps), int(steps / denoise))
+    if total > MAX_DENOISE_GRID:
+        raise ValueError(f"denoise={denoise} with steps={steps} would sample the tail of a {total:,}-step grid; use "
+                         f"denoise >= {steps / MAX_DENOISE_GRID:.2g} (or fewer steps).")
+    return total
+
+
+def denoise_sigmas(grid_of: Callable[[int], np.ndarray], steps: int, denoise: float) -> np.ndarray:
+    """A video-to-video schedule: ``steps`` sigmas, the last ``steps`` of the ``int(steps / denoise)``-step
+    grid ``grid_of(n)`` (the run's own grid rule: FlowUniPC or the DMD student's), in that grid's precision.
+
+    This is ComfyUI KSampler's ``denoise``: ``steps`` steps run whatever the strength, on the points a full
+    run of that length visits, and ``denoise`` is the fraction of that run that is sampled (so with shift 3,
+    denoise 0.5 starts at sigma ~0.75). ``denoise`` 1 is ``grid_of(steps)`` itself. The latent is re-noised to
+    the first value."""
+    total = denoise_grid_steps(steps, denoise)
+    kept = np.asarray(grid_of(total))[total - steps:]
+    if len(kept) != steps or not np.all(np.isfinite(kept)) or kept.min() <= 0 or np.any(np.diff(kept) >= 0):
+        raise ValueError(f"invalid video-to-video sigma schedule {kept.tolist()} (steps={steps}, denoise={denoise}).")
+    return kept
 
 
 def refiner_sigmas(steps: int, shift: float, t_thresh: float, tail_steps: int) -> np.ndarray:
@@ -322,15 +340,22 @@ def dmd_package_reason(config: Optional[dict], model_dir, dit_file=None) -> Opti
     return None
 
 
-def sampler_sigmas(sampler: str, steps: int, shift: float, sigmas=None) -> np.ndarray:
+def sampler_sigmas(sampler: str, steps: int, shift: float, sigmas=None, denoise: float = 1.0) -> np.ndarray:
     """The grid a run samples: the DMD student's own grid for ``dmd_student`` (which refuses explicit
-    ``sigmas``: the student was distilled on its grid), else the checked ``sigmas`` or the FlowUniPC grid."""
+    ``sigmas``: the student was distilled on its grid), else the checked ``sigmas`` or the FlowUniPC grid.
+
+    ``denoise`` < 1 (video-to-video): the last ``steps`` of that grid rule's ``int(steps / denoise)``-step grid
+    (:func:`denoise_sigmas`). Explicit ``sigmas`` are run as given (the video is re-noised to their first value)."""
     if sampler == "dmd_student":
         if sigmas is not None:
             raise ValueError("sigmas cannot be used with sampler='dmd_student': the DMD student was distilled on its own "
                              "grid; leave sigmas empty and set steps (8) and shift (3.0).")
-        return dmd_sigmas(steps, shift)
-    return shifted_sigmas(steps, shift) if sigmas is None else check_sigmas(sigmas)
+        grid_of = lambda n: dmd_sigmas(n, shift)  # noqa: E731
+    elif sigmas is None:
+        grid_of = lambda n: shifted_sigmas(n, shift)  # noqa: E731
+    else:
+        return check_sigmas(sigmas)
+    return grid_of(steps) if denoise >= 1.0 else denoise_sigmas(grid_of, steps, denoise)
 
 
 def make_sampler(sampler: str, sigmas: np.ndarray, config: Optional[dict] = None,

@@ -12,7 +12,8 @@ from support.comfy_graphs import DENSE, H, MOE, W, decode_video, example_as_api,
 pytestmark = pytest.mark.comfy
 
 VIDEO_NAME = "lingbot_example_input.mp4"
-SOURCE_FRAMES = 21  # 6 latent frames: about 2.5 windows of 9 frames sharing 4
+SOURCE_FRAMES = 22  # not 4n+1 (sampled as 25: 7 latent frames, 3 windows of 9 frames sharing 4), every frame kept
+SOURCE_FPS = 30  # faster than the refiner's 24: Refine resamples, keeping the duration
 
 
 def write_mp4(path, frames: int, height: int = 48, width: int = 80, fps: int = 24) -> None:
@@ -34,7 +35,7 @@ def write_mp4(path, frames: int, height: int = 48, width: int = 80, fps: int = 2
 @pytest.fixture(scope="module")
 def server(comfy_server, tmp_path_factory):
     path = tmp_path_factory.mktemp("video") / VIDEO_NAME
-    write_mp4(path, SOURCE_FRAMES)
+    write_mp4(path, SOURCE_FRAMES, fps=SOURCE_FPS)
     comfy_server.add_input(path)
     return comfy_server
 
@@ -58,6 +59,8 @@ def test_upscale_example_refines_a_video_file_in_windows(server, object_info):
     (vid,) = nodes_of(api, "LoadVideo")
     (gid,) = nodes_of(api, "GetVideoComponents")
     assert api[vid]["inputs"]["file"] == VIDEO_NAME and r["frames"] == [gid, 0]
+    (cid,) = nodes_of(api, "CreateVideo")
+    assert r["fps"] == [gid, 2] and api[cid]["inputs"]["fps"] == [rid, 1]  # the source's rate in, the refined rate out
     (lid,) = nodes_of(api, "LoadLingbotPipeline")
     assert api[lid]["inputs"]["transformer"] == "refiner" and api[lid]["inputs"]["offload"] == "block"
 
@@ -65,7 +68,8 @@ def test_upscale_example_refines_a_video_file_in_windows(server, object_info):
     patch_nodes(api, "Refine", width=128, height=64, steps=3, context_frames=9, context_overlap=4)
     patch_nodes(api, "SaveVideo", filename_prefix="test_upscale_any_video")
     frames, rate = _saved(server, server.run(api, timeout=900), api)
-    assert frames.shape == (SOURCE_FRAMES, 64, 128, 3) and rate == 24 and frames.std() > 1.0
+    # int(22 / 30 * 24) = 17 frames at 24 fps: the source's duration (0.73 s against 0.71 s, the rounding)
+    assert frames.shape == (17, 64, 128, 3) and rate == 24 and frames.std() > 1.0
 
 
 def test_v2v_restyle_example_runs_on_a_video_file(server, object_info):
@@ -80,4 +84,4 @@ def test_v2v_restyle_example_runs_on_a_video_file(server, object_info):
     patch_nodes(api, "GenerateVideo", width=W, height=H, steps=4, context_frames=9, context_overlap=4)
     patch_nodes(api, "SaveVideo", filename_prefix="test_v2v_restyle")
     frames, rate = _saved(server, server.run(api, timeout=900), api)
-    assert frames.shape == (SOURCE_FRAMES, H, W, 3) and rate == 24 and frames.std() > 1.0
+    assert frames.shape == (SOURCE_FRAMES, H, W, 3) and rate == SOURCE_FPS and frames.std() > 1.0

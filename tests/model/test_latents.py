@@ -287,19 +287,17 @@ def test_crop_to_aspect_wide_and_tall():
     assert torch.equal(same, img)
 
 
-def test_refiner_frames_24fps_keeps_4n_plus_1():
+def test_refiner_frames_24fps_keeps_every_frame():
     assert refiner_frame_indices(9, 24.0) == list(range(9))
     assert refiner_frame_indices(121, 24.0) == list(range(121))
-    idx = refiner_frame_indices(12, 24.0)  # 12 -> 9 frames (rounds down), spread over the clip
-    assert len(idx) == 9 and idx[0] == 0 and idx[-1] == 11
-    assert idx == np.linspace(0, 11, 9).astype(int).tolist()
-    assert refiner_frame_indices(8, 24.0) == [0, 1, 3, 5, 7]
+    assert refiner_frame_indices(12, 24.0) == list(range(12))  # any count: the pipeline pads to 4n+1 and trims
+    assert refiner_frame_indices(8, 20.0) == list(range(8))
 
 
 def test_refiner_frames_30fps_resampled():
-    idx = refiner_frame_indices(121, 30.0)  # int(121 / 30 * 24) = 96 -> 93 frames
-    assert len(idx) == 93
-    assert idx == np.linspace(0, 120, 93).astype(int).tolist()
+    idx = refiner_frame_indices(121, 30.0)  # int(121 / 30 * 24) = 96 frames over the whole clip
+    assert len(idx) == 96
+    assert idx == np.linspace(0, 120, 96).astype(int).tolist()
     assert idx[0] == 0 and idx[-1] == 120
 
 

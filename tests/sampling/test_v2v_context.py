@@ -1,7 +1,7 @@
 """Video-to-video (``denoise`` on an input video) and context windows (issue 34), on the tiny packages.
 
 Expected numbers come from the documented rules, computed here on their own: the FlowUniPC grid
-(docs: sigma = s b / (1 + (s - 1) b), b = linspace(0.999, 0, N + 1)[:-1]), the cut at ``denoise``, the
+(docs: sigma = s b / (1 + (s - 1) b), b = linspace(0.999, 0, N + 1)[:-1]), the last ``steps`` of an int(steps / denoise)-step grid (issue 39: KSampler's rule), the
 re-noise ``(1 - s) x + s noise`` with the noise of the seed's generator, and the video posterior drawn
 from the generator of sha256("lingbot-video v2v posterior " + seed as 8 little-endian bytes).
 """
@@ -102,16 +102,16 @@ def test_denoise_one_is_text_to_video_bit_for_bit(packages, package, test_image)
         pipe.release()
 
 
-def test_v2v_cuts_the_grid_and_starts_from_the_renoised_video(dense_pipe):
+def test_v2v_runs_the_grid_tail_and_starts_from_the_renoised_video(dense_pipe):
     pipe, seed, steps, denoise = dense_pipe, 3, 20, 0.3
     video = _video(9)
-    grid = flow_grid(steps)
-    expected = np.concatenate([[denoise], grid[grid <= denoise]]).astype(np.float32)  # 0.3 is not on the grid
-    assert len(expected) == 3  # 0.3, then the grid's 0.249792 and 0.136240
+    grid = flow_grid(66)  # KSampler: a grid of int(20 / 0.3) = 66 steps, its last 20 sampled
+    expected = grid[66 - steps:]
+    assert len(expected) == steps and abs(expected[0] - 0.56569) < 1e-5
     with dit_calls(pipe) as calls:
         pipe.generate("a cat", video=video, denoise=denoise, steps=steps, seed=seed, output_type="latent", **SIZE)
     assert len(calls) == len(expected)  # lockstep CFG: one DiT call per step
-    assert [int(c["t"].item()) for c in calls] == (expected * np.float32(1000)).astype(np.int64).tolist()
+    assert [int(c["t"].item()) for c in calls] == (expected * 1000).astype(np.int64).tolist()
 
     # The start, computed on its own: the video's posterior from its own generator, the T2V noise.
     posterior = pipe.encode_video(resize_frames(video, 64, 96))
@@ -125,11 +125,9 @@ def test_v2v_cuts_the_grid_and_starts_from_the_renoised_video(dense_pipe):
     torch.testing.assert_close(calls[0]["x"], want, rtol=1e-5, atol=1e-5)
 
 
-def test_v2v_snaps_the_frame_count_and_takes_a_latent(dense_pipe, caplog):
-    with caplog.at_level("WARNING", logger="lingbot_core"):
-        frames = dense_pipe.generate("a cat", video=_video(11), denoise=0.5, steps=4, **SIZE)
-    assert frames.shape == (9, 64, 96, 3) and np.isfinite(frames).all()
-    assert any("uses the first 9" in r.getMessage() for r in caplog.records)
+def test_v2v_keeps_the_frame_count_and_takes_a_latent(dense_pipe):
+    frames = dense_pipe.generate("a cat", video=_video(11), denoise=0.5, steps=4, **SIZE)
+    assert frames.shape == (11, 64, 96, 3) and np.isfinite(frames).all()
     latent = torch.randn(1, 16, 2, 8, 12, generator=torch.Generator().manual_seed(1))  # Wan VAE space (a LATENT)
     with dit_calls(dense_pipe) as calls:
         out = dense_pipe.generate("a cat", video_latent=latent, denoise=0.5, steps=4, seed=9, output_type="latent",
@@ -138,7 +136,8 @@ def test_v2v_snaps_the_frame_count_and_takes_a_latent(dense_pipe, caplog):
     mean = torch.tensor(dense_pipe.vae.config.latents_mean).view(1, -1, 1, 1, 1)
     std = torch.tensor(dense_pipe.vae.config.latents_std).view(1, -1, 1, 1, 1)
     noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(9))
-    torch.testing.assert_close(calls[0]["x"], 0.5 * (latent - mean) / std + 0.5 * noise, rtol=1e-5, atol=1e-5)
+    s = float(flow_grid(8)[4])  # denoise 0.5 of 4 steps: the last 4 of an 8-step grid, sigma 0.7496
+    torch.testing.assert_close(calls[0]["x"], (1 - s) * (latent - mean) / std + s * noise, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="video_latent must be"):
         dense_pipe.generate("a cat", video_latent=torch.zeros(1, 4, 2, 8, 12), denoise=0.5, **SIZE)
     for bad in (0.0, 1.5, float("nan")):
