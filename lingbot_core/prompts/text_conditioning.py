@@ -143,18 +143,44 @@ def parse_prompt(prompt: str) -> ParsedPrompt:
                         warnings=tuple(caption_warnings(caption, duration)))
 
 
+# Byte order marks, longest first: UTF-32 LE's mark begins with UTF-16 LE's.
+_BOMS = (
+    (b"\x00\x00\xfe\xff", "UTF-32 BE", None),
+    (b"\xff\xfe\x00\x00", "UTF-32 LE", None),
+    (b"\xef\xbb\xbf", "UTF-8", "utf-8"),
+    (b"\xff\xfe", "UTF-16 LE", "utf-16-le"),  # Notepad's "Unicode", PowerShell 5's ">"
+    (b"\xfe\xff", "UTF-16 BE", "utf-16-be"),
+)
+_RESAVE = "save it as UTF-8 (in most editors: 'Save with encoding' -> UTF-8) and load it again."
+
+
 def read_prompt_file(path) -> str:
-    """A prompt file's text: UTF-8, with or without a byte order mark; other encodings are refused
-    with a message (a raw ``UnicodeDecodeError`` names neither the file nor the fix)."""
-    raw = Path(path).read_bytes()
-    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
-        raise ValueError(f"{Path(path).name} is saved as UTF-16; save it as UTF-8 (in most editors: "
-                         "'Save with encoding' -> UTF-8) and load it again.")
+    """A prompt file's text, as editors save it: UTF-8 with or without a byte order mark, or UTF-16 (LE or
+    BE) with one. Anything else is refused with a message naming the file and, where the bytes tell,
+    the encoding (a raw ``UnicodeDecodeError`` names neither). Line ends are read as Python's text mode
+    reads them (CRLF and CR become LF), so a file from Windows encodes as the same prompt."""
+    path = Path(path)
+    raw = path.read_bytes()
+    name, codec, body = "UTF-8", "utf-8", raw
+    for mark, mark_name, mark_codec in _BOMS:
+        if raw.startswith(mark):
+            if mark_codec is None:
+                raise ValueError(f"{path.name} is saved as {mark_name}, which is not read; {_RESAVE}")
+            name, codec, body = mark_name, mark_codec, raw[len(mark):]
+            break
     try:
-        return raw.decode("utf-8-sig")
+        text = body.decode(codec)
     except UnicodeDecodeError as e:
-        raise ValueError(f"{Path(path).name} is not UTF-8 text (byte {e.start} is 0x{raw[e.start]:02x}); "
-                         "save it as UTF-8 and load it again.") from None
+        at = e.start + len(raw) - len(body)
+        if codec == "utf-8":
+            raise ValueError(f"{path.name} is not UTF-8 text (byte {at} is 0x{raw[at]:02x}; it may be in a legacy "
+                             f"code page such as Windows-1252 or GBK); {_RESAVE}") from None
+        raise ValueError(f"{path.name} begins with a {name} byte order mark but is not valid {name} "
+                         f"(at byte {at}); {_RESAVE}") from None
+    if codec == "utf-8" and "\x00" in text:
+        # ASCII saved as UTF-16 without a mark decodes as UTF-8 with a NUL after every letter.
+        raise ValueError(f"{path.name} looks like UTF-16 without a byte order mark (it holds NUL characters); {_RESAVE}")
+    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def frames_for_prompt(parsed: ParsedPrompt, num_frames: int, fps: float, use_caption_duration: bool = True) -> int:

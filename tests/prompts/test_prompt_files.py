@@ -27,19 +27,48 @@ def test_utf8_bom_loads(tmp_path):
     assert parse_prompt("\ufeff" + json.dumps(FILE)).text == parsed.text  # pasted with the BOM
 
 
-@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be"])
-def test_utf16_gives_a_clear_message(tmp_path, encoding):
+WIDE = {"caption": {"scene": "\u98ce\u7b5d\u5728\u6d77\u8fb9\u5347\u8d77 \U0001f98a",
+                    "prominent_elements": []}, "duration": 2}
+
+
+@pytest.mark.parametrize("mark, codec", [(b"\xff\xfe", "utf-16-le"), (b"\xfe\xff", "utf-16-be"),
+                                         (b"\xef\xbb\xbf", "utf-8"), (b"", "utf-8")])
+def test_utf8_and_utf16_with_a_mark_read_as_the_same_prompt(tmp_path, mark, codec):
+    # Notepad's "Unicode" and PowerShell 5's ">" write UTF-16 LE with a mark and CRLF line ends.
+    expected = json.dumps(WIDE, ensure_ascii=False, indent=2)
     path = tmp_path / "wide.json"
-    data = json.dumps(FILE).encode(encoding)
-    path.write_bytes(data if data[:2] in (b"\xff\xfe", b"\xfe\xff") else b"\xfe\xff" + data)
-    with pytest.raises(ValueError, match="wide.json is saved as UTF-16; save it as UTF-8"):
+    path.write_bytes(mark + expected.replace("\n", "\r\n").encode(codec))
+    text = read_prompt_file(path)
+    assert text == expected  # the mark dropped, CRLF read as LF (Python's text mode)
+    assert parse_prompt(text).text == json.dumps(WIDE["caption"], ensure_ascii=False, separators=(",", ":"))
+
+
+def test_plain_text_line_ends_are_read_as_lf(tmp_path):
+    path = tmp_path / "plain.txt"
+    path.write_bytes(b"\xff\xfe" + "a kite\r\nover the sea\rat dusk\n".encode("utf-16-le"))
+    assert read_prompt_file(path) == "a kite\nover the sea\nat dusk\n"
+
+
+@pytest.mark.parametrize("data, message", [
+    ("x".encode("utf-32"), r"u32\.json is saved as UTF-32 LE, which is not read; save it as UTF-8"),
+    (b"\x00\x00\xfe\xff" + "x".encode("utf-32-be"), r"u32\.json is saved as UTF-32 BE, which is not read"),
+    (json.dumps(FILE).encode("utf-16-le"), r"u32\.json looks like UTF-16 without a byte order mark"),
+    (b"\xff\xfe" + "ab".encode("utf-16-le") + b"\x00", r"u32\.json begins with a UTF-16 LE byte order mark but is "
+                                                      r"not valid UTF-16 LE \(at byte 6\)"),
+    (b"\xfe\xff\xdc\x00\x00a", r"not valid UTF-16 BE \(at byte 2\)"),  # a lone low surrogate
+])
+def test_unreadable_encodings_are_named(tmp_path, data, message):
+    path = tmp_path / "u32.json"
+    path.write_bytes(data)
+    with pytest.raises(ValueError, match=message):
         read_prompt_file(path)
 
 
 def test_other_encodings_name_the_file(tmp_path):
     path = tmp_path / "latin.json"
     path.write_bytes('{"caption": "caf\u00e9"}'.encode("latin-1"))
-    with pytest.raises(ValueError, match=r"latin\.json is not UTF-8 text \(byte 16 is 0xe9\)"):
+    with pytest.raises(ValueError, match=r"latin\.json is not UTF-8 text \(byte 16 is 0xe9; it may be in a legacy "
+                                         r"code page such as Windows-1252 or GBK\); save it as UTF-8"):
         read_prompt_file(path)
 
 
