@@ -182,16 +182,18 @@ def test_negative_node_is_the_default_until_edited(server, chat):
 def test_prompt_files_as_artists_save_them(server, chat):
     data = {"caption": CAPTION, "duration": 1}
     (server.input_dir / "bom.json").write_bytes(b"\xef\xbb\xbf" + json.dumps(data).encode("utf-8"))
-    (server.input_dir / "utf16.json").write_bytes(json.dumps(data).encode("utf-16"))
+    (server.input_dir / "utf16.json").write_bytes(b"\xff\xfe" + json.dumps(data, indent=1).replace("\n", "\r\n").encode("utf-16-le"))
+    (server.input_dir / "utf32.json").write_bytes(json.dumps(data).encode("utf-32"))
     (server.input_dir / "nodur.json").write_text(json.dumps({"caption": CAPTION, "duration": None}), encoding="utf-8")
     (server.input_dir / "booldur.json").write_text(json.dumps({"caption": CAPTION, "duration": True}), encoding="utf-8")
 
     def load(name):
         return {"class_type": "LoadLingbotPrompt", "inputs": {"prompt_file": name, "fps": 24}}
 
-    entry = server.run({"1": load("bom.json"), "2": preview("1"), "3": preview("1", 1)})
-    assert json.loads(preview_text(entry, "2")) == data and preview_text(entry, "3") == "25"
-    for name, pattern in (("utf16.json", "utf16.json is saved as UTF-16; save it as UTF-8"),
+    for name in ("bom.json", "utf16.json"):  # Notepad's UTF-8 and "Unicode" (UTF-16 LE, CRLF)
+        entry = server.run({"1": load(name), "2": preview("1"), "3": preview("1", 1)})
+        assert json.loads(preview_text(entry, "2")) == data and preview_text(entry, "3") == "25", name
+    for name, pattern in (("utf32.json", "utf32.json is saved as UTF-32 LE, which is not read; save it as UTF-8"),
                           ("booldur.json", r"duration must be a number of seconds \(or null\), got true")):
         entry = server.run({"1": load(name), "2": preview("1")}, check=False)
         assert re.search(pattern, execution_error(entry)["exception_message"]), name
