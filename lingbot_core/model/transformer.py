@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -108,24 +108,56 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self.register_buffer("scale_weight", None)
         self.weight_qtype = None
+        self._held: Optional[dict] = None  # dtype -> converted weight, while a block call holds it (holding)
         for name in ADAPTER_PARAMS:  # LoRA adapters, added at run time (see lingbot_core.model.lora)
             self.register_parameter(name, None)
+
+    @property
+    def converts(self) -> bool:
+        """Whether the stored weight is converted per use (GGUF blocks, fp8)."""
+        return self.weight_qtype is not None or self.scale_weight is not None or is_fp8(self.weight.dtype)
+
+    def weight_in(self, dtype: torch.dtype, device) -> torch.Tensor:
+        """The weight in ``dtype`` on ``device``'s side of the call; kept and returned again inside :meth:`holding`."""
+        held = self._held
+        if held is not None and dtype in held:
+            return held[dtype]
+        if self.weight_qtype is not None:
+            weight = gguf_weights.dequantize(self.weight, self.weight_qtype, dtype, device)
+        else:
+            weight = dequantize(self.weight, self.scale_weight, dtype)
+        if held is not None:
+            held[dtype] = weight
+        return weight
+
+    @contextmanager
+    def holding(self) -> Iterator[None]:
+        """Within: a weight that needs converting is converted once and kept (the CFG branches of one
+        lockstep block call share it, as :meth:`Experts.holding_stacks` shares the stacks); dropped on exit."""
+        if not self.converts:
+            yield
+            return
+        self._held = {}
+        try:
+            yield
+        finally:
+            self._held = None
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         dtype = dtype or (x.dtype if self.weight_qtype is not None else self.weight.dtype)
         bias = None if self.bias is None else self.bias.to(dtype)
         x = x.to(dtype)
-        if self.weight_qtype is not None:
-            weight = gguf_weights.dequantize(self.weight, self.weight_qtype, dtype, x.device)
-        else:
-            weight = dequantize(self.weight, self.scale_weight, dtype)
-        y = F.linear(x, weight, bias)
+        y = F.linear(x, self.weight_in(dtype, x.device), bias)
         delta = adapter_output(self, x, dtype)
         return y if delta is None else y + delta
 
 
 class RMSNorm(nn.Module):
-    """Computed in fp32 with an fp32 weight, returned in the input dtype."""
+    """Computed in fp32 with an fp32 weight, returned in the input dtype.
+
+    Eagerly, a (B, S, ...) input is normalised in chunks of tokens (:func:`by_token_chunks`): the norm is
+    row-wise, so the bits are the whole expression's while only one chunk's fp32 copies are alive (4 fp32
+    copies of the whole input otherwise: 4 GB per call at the refiner's 253k tokens)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -133,9 +165,52 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() < 3:
+            return self.normed(x)
+        return by_token_chunks(x.shape, x.dtype, x.device, lambda lo, hi: self.normed(x[:, lo:hi]))
+
+    def normed(self, x: torch.Tensor) -> torch.Tensor:
+        """The norm of ``x`` as one expression (what each chunk computes)."""
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * self.weight.float()).to(x.dtype)
+
+
+# The most bytes one fp32 temporary of a chunked row-wise operation (RoPE, RMSNorm, modulation) takes:
+# 32k tokens of RoPE pairs or 16k hidden states at width 2048, so a call at the refiner's 253k tokens is 8
+# to 16 chunks (few kernel launches) while each temporary stays small beside the 1 GB hidden state.
+CHUNK_BYTES = 128 << 20
+
+
+def by_token_chunks(shape: Sequence[int], dtype: torch.dtype, device, part, row_bytes: Optional[int] = None) -> torch.Tensor:
+    """The (B, S, ...) result of a row-wise computation, ``part(lo, hi)`` giving tokens ``lo:hi`` (dim 1),
+    computed in chunks of ``CHUNK_BYTES // row_bytes`` tokens written into one output (``row_bytes``: one
+    token's fp32 temporary, by default the fp32 size of a token of ``shape``). Each token's numbers are
+    ``part``'s over the whole range, so the bits are too. Traced (``compile_blocks``), one call: the
+    compiler fuses the expression and sizes its own buffers."""
+    seq = shape[1]
+    row_bytes = row_bytes or math.prod(shape[:1]) * math.prod(shape[2:]) * 4
+    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    if step >= seq or torch.compiler.is_compiling():
+        return part(0, seq)
+    out = torch.empty(tuple(shape), dtype=dtype, device=device)
+    for lo in range(0, seq, step):
+        hi = min(seq, lo + step)
+        out[:, lo:hi] = part(lo, hi)
+    return out
+
+
+def modulated_norm(norm: RMSNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``(norm(x) * (1 + scale) + shift).to(dtype)`` (adaLN; ``scale``/``shift`` fp32 (B, 1, D)), by token chunks."""
+    scale1 = 1 + scale
+    return by_token_chunks(x.shape, dtype, x.device, lambda lo, hi: (norm.normed(x[:, lo:hi]) * scale1 + shift).to(dtype))
+
+
+def gated_residual(x: torch.Tensor, gate: torch.Tensor, norm: RMSNorm, y: torch.Tensor) -> torch.Tensor:
+    """``x + (tanh(gate) * norm(y)).to(x.dtype)`` (the sandwich norm's residual), by token chunks."""
+    g = torch.tanh(gate)
+    return by_token_chunks(x.shape, x.dtype, x.device,
+                           lambda lo, hi: x[:, lo:hi] + (g * norm.normed(y[:, lo:hi])).to(x.dtype))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,16 +258,13 @@ def rope_frequencies(positions: torch.Tensor, axes_dims: Sequence[int], theta: f
     return torch.cat(tables, dim=1)
 
 
-# Tokens rotated at a time for a non-fp32 input: its fp32 pairs exist for one chunk only.
-ROPE_CHUNK_TOKENS = 4096
-
-
 def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Interleaved-pair rotation of (B, S, heads, head_dim) by the (cos, sin) table (S, head_dim/2, 2),
     in fp32: the pair (a, b) becomes (a cos - b sin, a sin + b cos), the complex product.
 
-    Eagerly the products are written into the output (fp32 input) or into an fp32 chunk of
-    :data:`ROPE_CHUNK_TOKENS` tokens cast into it (bf16/fp16 input), with one temporary: at most about 3
+    Eagerly the products are written into the output (fp32 input) or into an fp32 chunk of tokens whose
+    temporary takes at most :data:`CHUNK_BYTES` (32k tokens at 16 heads x 64 pairs), cast into it
+    (bf16/fp16 input), with one temporary: at most about 3
     units of (B, S, heads, head_dim/2) fp32 are alive, against 6 for the plain expression (6 GB per call
     at the refiner's 253k tokens). Every operation and rounding is the plain expression's, so the bits are
     too; compiled, the plain expression is traced and fused."""
@@ -203,7 +275,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     seq = x.shape[1]
-    step = seq if x.dtype == torch.float32 else ROPE_CHUNK_TOKENS
+    step = seq if x.dtype == torch.float32 else max(1, CHUNK_BYTES // (x[:, :1].numel() // 2 * 4))
     for lo in range(0, seq, step):
         hi = min(seq, lo + step)
         pairs = x[:, lo:hi].reshape(*x.shape[:1], hi - lo, *x.shape[2:-1], -1, 2)
@@ -353,9 +425,9 @@ class Experts(nn.Module):
 
 def converted_bytes(block: nn.Module, dtype: torch.dtype) -> int:
     """Device bytes that converted copies of ``block``'s stored weights (GGUF blocks, fp8) take at once
-    while it computes in ``dtype``, beyond the stored weights: a block call holds its whole converted
-    expert stacks for both CFG branches (:meth:`Experts.holding_stacks`), a Linear converts its weight per
-    call (one at a time), and a GGUF dequantization adds its workspace while a chunk forms. 0 for weights
+    while it computes in ``dtype``, beyond the stored weights: a lockstep block call holds every converted
+    weight, expert stacks and Linear weights, for all its CFG branches (:func:`holding_converted`), and a
+    GGUF dequantization adds its workspace while a chunk forms. 0 for weights
     stored in ``dtype``. Offload ``block``'s VRAM bound adds this for the largest block (as ComfyUI-GGUF
     reserves its largest layer's dequantized weight)."""
     size = torch.empty(0, dtype=dtype).element_size()
@@ -380,7 +452,7 @@ def converted_bytes(block: nn.Module, dtype: torch.dtype) -> int:
                 n = m.weight.numel()
             else:
                 continue
-            linear = max(linear, n * size)
+            linear += n * size
     workspace = gguf_weights.workspace_bytes(largest_gguf, dtype) if largest_gguf else 0
     return stacks + linear + workspace
 
@@ -462,10 +534,14 @@ def _run_experts_grouped(x, ids, gates, w1, w3, w2) -> torch.Tensor:
         # Row of ys holding (token, j-th smallest expert id): pairs are sorted by expert, so sorting a
         # token's positions sorts its experts.
         position = position.view(hi - lo, k).sort(dim=-1).values
+        # One gather of every token's k rows, then the k additions in ascending expert id from zero: the
+        # loop's bits in 2k + 3 kernels instead of 5k (bf16 row times fp32 weight promotes exactly, in one).
+        picked, w = ys[position], weights[position]  # (n, k, D) bf16, (n, k, 1) fp32
         acc = out[lo:hi]
         acc.zero_()
         for j in range(k):
-            acc += ys[position[:, j]].float() * weights[position[:, j]]
+            acc += torch.mul(picked[:, j], w[:, j])
+        del picked, w
     return out
 
 
@@ -555,9 +631,22 @@ class TransformerBlock(nn.Module):
         for h, f in zip(x, freqs):  # the sequence length changes with the prompt: no recompile for it
             torch._dynamo.maybe_mark_dynamic(h, 1)
             torch._dynamo.maybe_mark_dynamic(f, 0)
-        shared = len(x) > 1 and isinstance(self.ffn, MoEFeedForward)
-        with self.ffn.experts.holding_stacks() if shared else nullcontext():  # the branches share the stacks
+        with holding_converted(self) if len(x) > 1 else nullcontext():  # the branches share converted weights
             return [self.compute(self, h, temb6, f, dtype) for h, f in zip(x, freqs)]
+
+
+@contextmanager
+def holding_converted(module: nn.Module) -> Iterator[None]:
+    """Within: every weight of ``module`` stored as GGUF blocks or fp8 is converted at its first use and kept
+    (expert stacks and Linear weights alike), so a lockstep block call converts each once for all its CFG
+    branches; dropped on exit. What that holds at once is in :func:`converted_bytes`."""
+    with ExitStack() as stack:
+        for m in module.modules():
+            if isinstance(m, Experts):
+                stack.enter_context(m.holding_stacks())
+            elif isinstance(m, Linear):
+                stack.enter_context(m.holding())
+        yield
 
 
 def _moe_ffn(ffn: nn.Module, f: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -580,12 +669,15 @@ class BlockCompute(nn.Module):
     def forward(self, block: TransformerBlock, x: torch.Tensor, temb6: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype):
         mod = (temb6 + block.scale_shift_table.float())[:, None, :]  # fp32 (B, 1, 6D)
         shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.chunk(6, dim=-1)
-        a = (block.norm1(x) * (1 + scale_a) + shift_a).to(dtype)
+        a = modulated_norm(block.norm1, x, scale_a, shift_a, dtype)
         o = block.attn(a, freqs, dtype)
-        x = x + (torch.tanh(gate_a) * block.norm_post_attn(o)).to(x.dtype)
-        f = (block.norm2(x) * (1 + scale_f) + shift_f).to(dtype)
+        del a
+        x = gated_residual(x, gate_a, block.norm_post_attn, o)
+        del o
+        f = modulated_norm(block.norm2, x, scale_f, shift_f, dtype)
         y = _eager_moe_ffn(block.ffn, f, dtype) if isinstance(block.ffn, MoEFeedForward) else block.ffn(f, dtype)
-        return x + (torch.tanh(gate_f) * block.norm_post_ffn(y)).to(x.dtype)
+        del f
+        return gated_residual(x, gate_f, block.norm_post_ffn, y)
 
 
 # RoPE tables a model keeps (see LingBotVideoTransformer3DModel.rope_table).
@@ -760,6 +852,7 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
             u = self.text_embedder(text.to(dtype), dtype)
             xs.append(torch.cat([video, u], dim=1))
             freqs.append(self.rope_table(grid, text.shape[1], video.device))
+        del video  # each branch holds its own copy in xs
 
         t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
         temb6 = self.time_modulation[1](F.silu(t_emb), dtype).float()
@@ -769,13 +862,20 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         if run:
             hs = [xs[i] for i in run]
             fs = [freqs[i] for i in run]
+            # Only a step cache reads a branch's input after the blocks: without one, the input goes with
+            # the first block's output instead of staying alive through the stack (one hidden state per branch).
+            for i in run:
+                if caches[i] is None:
+                    xs[i] = ys[i] = None
             for block in self.blocks:
                 hs = block(hs, temb6, fs, dtype)
             for i, out in zip(run, hs):
                 ys[i] = out
+            del hs
         for i, cache in enumerate(caches):
             if cache is not None:
                 ys[i] = cache.store(xs[i], ys[i]) if i in run else cache.reuse(xs[i])
+        del xs
 
         shift, scale = self.norm_out_modulation[1](F.silu(t_emb), dtype).float()[:, None, :].chunk(2, dim=-1)
         outs = []

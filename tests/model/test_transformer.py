@@ -12,6 +12,7 @@ from lingbot_core.model.transformer import (
     LingBotVideoTransformer3DModel, MoEFeedForward, SwiGLU, TransformerBlock, apply_rope, is_fp32_island, patchify,
     rope_frequencies, rope_position_ids, route_tokens, timestep_projection, unpatchify,
 )
+from lingbot_core.model import transformer
 from support.live_bytes import LiveBytes
 
 MOE_FULL = dict(
@@ -601,9 +602,11 @@ def _rope_plain(x, freqs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_apply_rope_live_bytes_are_bounded_and_bits_kept(dtype):
+def test_apply_rope_live_bytes_are_bounded_and_bits_kept(dtype, monkeypatch):
     """At S = 8192 one rotation holds at most 3 units of (B, S, heads, head_dim/2) fp32 alive, its result
-    included (the plain expression: 6), and gives the plain expression's bits."""
+    included (the plain expression: 6), and gives the plain expression's bits (in two chunks here: 1 MiB
+    chunks of 256-byte pair rows)."""
+    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(4)
     pos = rope_position_ids((8, 32, 32), 0)
     freqs = rope_frequencies(pos, [16, 24, 24], 256.0)
@@ -622,3 +625,145 @@ def test_apply_rope_live_bytes_are_bounded_and_bits_kept(dtype):
     wide = (torch.randn(1, 5000, heads, 2 * hd, generator=g) * 3).to(dtype)[..., :hd]
     f2 = rope_frequencies(rope_position_ids((5, 25, 40), 0), [16, 24, 24], 256.0)
     assert torch.equal(apply_rope(wide, f2), _rope_plain(wide, f2))
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 40 (gpu-review-4 findings 3, 9, 10): bounded fp32 temporaries, fewer launches, bits kept
+# ---------------------------------------------------------------------------------------------
+
+
+def _compute_ops(fn, *args):
+    """The non-view aten operations ``fn(*args)`` dispatches (what launches a kernel on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = []
+
+    class Count(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.overloadpacket not in (torch.ops.aten.empty, torch.ops.aten.empty_strided):
+                ops.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with torch.no_grad(), Count():
+        fn(*args)
+    return ops
+
+
+def test_apply_rope_at_65536_tokens_launches_at_most_60_kernels():
+    """Finding 9: the chunk is sized by bytes (32k tokens of 16 heads x 64 pairs), not 4,096 tokens: at
+    S = 65,536 one bf16 rotation is 2 chunks of 7 kernels (16 chunks, 112 kernels before). On meta tensors:
+    counted, not computed."""
+    seq, heads, hd = 65536, 16, 128
+    x = torch.empty(1, seq, heads, hd, dtype=torch.bfloat16, device="meta")
+    freqs = torch.empty(seq, hd // 2, 2, device="meta")
+    ops = _compute_ops(apply_rope, x, freqs)
+    assert len(ops) <= 60, len(ops)
+    assert ops.count("mul") == 2 * 4  # both chunks really rotate (4 products each)
+
+
+def _norm_plain(norm, x):
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps)
+    return (h * norm.weight.float()).to(x.dtype)
+
+
+def _block_plain(block, x, temb6, freqs, dtype):
+    """BlockCompute as whole-tensor expressions (before issue 40): the numbers to keep."""
+    mod = (temb6 + block.scale_shift_table.float())[:, None, :]
+    shift_a, scale_a, gate_a, shift_f, scale_f, gate_f = mod.chunk(6, dim=-1)
+    a = (_norm_plain(block.norm1, x) * (1 + scale_a) + shift_a).to(dtype)
+    o = block.attn(a, freqs, dtype)
+    x = x + (torch.tanh(gate_a) * _norm_plain(block.norm_post_attn, o)).to(x.dtype)
+    f = (_norm_plain(block.norm2, x) * (1 + scale_f) + shift_f).to(dtype)
+    y = block.ffn(f, dtype)
+    return x + (torch.tanh(gate_f) * _norm_plain(block.norm_post_ffn, y)).to(x.dtype)
+
+
+def _random_block(dim, heads, hidden, seed):
+    block = TransformerBlock(dim, heads, 1e-6, qkv_bias=False, out_bias=True, ffn=SwiGLU(dim, hidden))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in block.named_parameters():
+            p.copy_((1.0 if "norm" in name else 0.0) + torch.randn(p.shape, generator=g) * 0.3)
+    return block.to(torch.bfloat16)
+
+
+def test_norm_and_modulation_hold_one_chunk_of_fp32_and_keep_the_bits(monkeypatch):
+    """Finding 3: RMSNorm, the adaLN modulation and the gated residual run by token chunks. At S = 8192
+    (eight 1,024-token chunks) each holds its bf16 result plus at most three of one chunk's fp32
+    temporaries (U = the bf16 input: 1.75 U), where the whole expressions hold 4-5 U, with the plain
+    expressions' bits."""
+    from lingbot_core.model.transformer import RMSNorm, gated_residual, modulated_norm
+
+    seq, dim = 8192, 256
+    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1024 * dim * 4)
+    g = torch.Generator().manual_seed(6)
+    norm = RMSNorm(dim)
+    with torch.no_grad():
+        norm.weight.copy_(1 + torch.randn(dim, generator=g) * 0.3)
+    x = (torch.randn(1, seq, dim, generator=g) * 2).to(torch.bfloat16)
+    y = (torch.randn(1, seq, dim, generator=g) * 2).to(torch.bfloat16)
+    scale, shift, gate = (torch.randn(1, 1, dim, generator=g) for _ in range(3))
+    unit, chunk = x.nbytes, transformer.CHUNK_BYTES
+    cases = {
+        "rmsnorm": (lambda: norm(x), lambda: _norm_plain(norm, x)),
+        "modulation": (lambda: modulated_norm(norm, x, scale, shift, torch.bfloat16),
+                       lambda: (_norm_plain(norm, x) * (1 + scale) + shift).to(torch.bfloat16)),
+        "gated residual": (lambda: gated_residual(x, gate, norm, y),
+                           lambda: x + (torch.tanh(gate) * _norm_plain(norm, y)).to(x.dtype)),
+    }
+    for name, (chunked, plain) in cases.items():
+        with torch.no_grad(), LiveBytes() as whole:
+            want = plain()
+        with torch.no_grad(), LiveBytes() as live:
+            got = chunked()
+        assert whole.peak >= 4 * unit, (name, whole.peak / unit)
+        assert live.peak <= unit + 3 * chunk, (name, live.peak / unit)
+        assert got.dtype == want.dtype and torch.equal(got, want), name
+
+
+def test_block_compute_by_chunks_keeps_the_bits_and_lowers_the_peak(monkeypatch):
+    """Finding 3 at the block: one bf16 branch through a dense block at S = 8192 gives the whole-expression
+    block's bits while its peak of live bytes drops by at least 2 U (U = the bf16 hidden state); the
+    lockstep call of two branches gives each branch's own result."""
+    seq, dim, heads = 8192, 128, 2
+    block = _random_block(dim, heads, dim // 2, seed=7)
+    g = torch.Generator().manual_seed(8)
+    freqs = rope_frequencies(rope_position_ids((8, 32, 32), 0), (16, 24, 24), 256.0)
+    x = torch.randn(1, seq, dim, generator=g).to(torch.bfloat16)
+    temb6 = torch.randn(1, 6 * dim, generator=g) * 0.5
+    with torch.no_grad(), LiveBytes() as whole:
+        want = _block_plain(block, x, temb6, freqs, torch.bfloat16)
+    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1024 * dim * 4)
+    with torch.no_grad(), LiveBytes() as live:
+        got = block(x, temb6, freqs, torch.bfloat16)
+    assert torch.equal(got, want)
+    assert whole.peak - live.peak >= 2 * x.nbytes, (whole.peak / x.nbytes, live.peak / x.nbytes)
+    x2 = torch.randn(1, seq, dim, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        pair = block([x, x2], temb6, [freqs, freqs], torch.bfloat16)
+        assert torch.equal(pair[0], want) and torch.equal(pair[1], _block_plain(block, x2, temb6, freqs, torch.bfloat16))
+
+
+def test_grouped_experts_gather_once_per_chunk_with_the_loops_bits():
+    """Finding 10: the grouped path adds each token's k expert rows from one gather: 2k + 3 kernels for
+    the additions instead of 5k, with the per-expert loop's bits (k = 8 of 16 experts)."""
+    from lingbot_core.model.transformer import Experts, run_experts
+
+    n, dim, hidden, num, k = 300, 64, 32, 16, 8
+    g = torch.Generator().manual_seed(9)
+    experts = Experts(num, dim, hidden)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    experts = experts.to(torch.bfloat16)
+    x = torch.randn(n, dim, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(num, generator=g)[:k] for _ in range(n)])
+    gates = torch.rand(n, k, generator=g).to(torch.bfloat16)
+    with torch.no_grad():
+        loop = run_experts(x, ids, gates, experts, grouped=False)
+        grouped = run_experts(x, ids, gates, experts, grouped=True)
+    assert torch.equal(grouped, loop)
+    ops = _compute_ops(run_experts, x, ids, gates, experts, True)
+    # 19 kernels route, sort and run the chunk; then the additions (5k = 40 of them before, 2k + 3 now)
+    assert ops.count("add_") == k and ops.count("index") <= 4 and len(ops) <= 19 + 2 * k + 3, ops
