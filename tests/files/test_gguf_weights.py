@@ -155,6 +155,51 @@ def test_a_lockstep_block_call_dequantizes_each_stack_once_for_both_branches():
         assert torch.equal(a, b)
 
 
+def test_a_lockstep_block_call_dequantizes_every_quantized_tensor_once():
+    """Issue 40 (review 4, finding 6 of the issue): with its Linear weights quantized too (attention,
+    shared expert), a lockstep block call dequantizes each of the block's GGUF tensors once for both CFG
+    branches (before: each Linear weight twice, 7 of the 10 here), drops them after, and gives the numbers
+    of the branches run one by one."""
+    from unittest import mock
+
+    from lingbot_core.model.transformer import Linear, converted_bytes, rope_frequencies, rope_position_ids
+
+    block = _gguf_moe_block()
+    linears = [m for m in block.modules() if isinstance(m, Linear)]
+    for m in linears:
+        raw = gguf.quants.quantize(m.weight.detach().numpy().astype(np.float32), gguf.GGMLQuantizationType.Q8_0)
+        m.weight = torch.nn.Parameter(torch.from_numpy(np.ascontiguousarray(raw)), requires_grad=False)
+        m.weight_qtype = "Q8_0"
+    experts = block.ffn.experts
+    quantized = {t.data_ptr() for t in (experts.w1, experts.w2, experts.w3)} | {m.weight.data_ptr() for m in linears}
+    assert len(quantized) == 10
+    g = torch.Generator().manual_seed(2)
+    freqs = rope_frequencies(rope_position_ids((1, 2, 3), 4), (8, 12, 12), 256.0)
+    xs = [torch.randn(1, 10, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
+    temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
+    calls = []
+    orig = gguf_weights.dequantize
+
+    def counting(raw, qtype, *a, **k):
+        calls.append(raw.data_ptr())
+        return orig(raw, qtype, *a, **k)
+
+    with torch.no_grad(), mock.patch.object(gguf_weights, "dequantize", counting):
+        both = block(xs, temb6, [freqs, freqs], torch.bfloat16)
+        lockstep = list(calls)
+        calls.clear()
+        alone = [block(x, temb6, freqs, torch.bfloat16) for x in xs]
+    assert sorted(lockstep) == sorted(quantized)  # each once
+    assert sorted(calls) == sorted(2 * list(quantized))  # branch by branch: each once per call
+    assert all(m._held is None for m in linears) and experts._held is None
+    for a, b in zip(both, alone):
+        assert torch.equal(a, b)
+    # the VRAM bound counts every Linear weight held at once, not only the largest
+    largest = max(m.weight.shape[0] * m.in_features for m in linears) * 2
+    assert converted_bytes(block, torch.bfloat16) >= 3 * experts.w1.shape[0] * 64 * 64 * 2 + sum(
+        m.out_features * m.in_features * 2 for m in linears) > largest
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_dequantize_workspace_stays_within_its_stated_bound(kind):
     """Issue 31 item 5 (the VRAM bound): the temporaries of one dequantization beyond its output, measured by
