@@ -118,8 +118,12 @@ class Linear(nn.Linear):
         return self.weight_qtype is not None or self.scale_weight is not None or is_fp8(self.weight.dtype)
 
     def weight_in(self, dtype: torch.dtype, device) -> torch.Tensor:
-        """The weight in ``dtype`` on ``device``'s side of the call; kept and returned again inside :meth:`holding`."""
-        held = self._held
+        """The weight in ``dtype`` on ``device``'s side of the call; kept and returned again inside :meth:`holding`.
+
+        Traced (``compile_blocks``), the hold is not read: the graph's guards would differ between the
+        branch that fills it and the one that finds it (a second graph), and the compiled graph fuses the
+        dequantization into the projection anyway."""
+        held = None if torch.compiler.is_compiling() else self._held
         if held is not None and dtype in held:
             return held[dtype]
         if self.weight_qtype is not None:
