@@ -53,6 +53,7 @@ def _snapped(side: int) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from .model.attention import ATTENTION_CHOICES
+    from .model.latents import VAE_TILING_MODES
     from .loading import DIT_DTYPES
     from .model.lora import parse_lora_arg
     from .memory.offload import OFFLOAD_MODES
@@ -115,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="video-to-video strength as in ComfyUI's KSampler: --steps steps run, the last ones of a "
                         "steps/denoise-step grid (1.0 = plain text-to-video; e.g. 0.5)")
     _window_flags(g, "--context_frames", "--context_overlap", 0, "0 = off")
+    g.add_argument("--vae_tiling", choices=list(VAE_TILING_MODES), default="auto",
+                   help="tiled VAE encode (--video) and decode with the refiner's 384x640 tiles: auto = above 720p "
+                        "(more than 720x1280 pixels a frame; an untiled 1080p decode needs 30-40 GB of VRAM), on, off")
     g.add_argument("--run_refiner", action="store_true", help="refine the video with refiner/ (MoE package)")
     g.add_argument("--refiner_output", default=None, help="mp4 path of the refined video")
     g.add_argument("--refiner_height", type=int, default=1088)
@@ -264,7 +268,8 @@ def generate(args) -> int:
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
                            shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
                            sampler=args.sampler, sigmas=args.sigmas, video=video, denoise=args.denoise,
-                           context_frames=args.context_frames, context_overlap=args.context_overlap)
+                           context_frames=args.context_frames, context_overlap=args.context_overlap,
+                           vae_tiling=args.vae_tiling)
     if num_frames == 1 and video is None:
         out = write_png(frames[0], Path(args.output).with_suffix(".png"))
     else:

@@ -19,8 +19,9 @@ import numpy as np
 import torch
 
 from .model.latents import (
-    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
-    pad_frames, padded_frame_count, preprocess_first_frame, resize_frames, vae_decode, vae_encode, vae_tiling,
+    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_vae_tiling, check_video_size, latent_shape,
+    pad_frames, padded_frame_count, preprocess_first_frame, resize_frames, tiling_enabled, vae_decode, vae_encode,
+    vae_tiling,
 )
 from .model.lora import LoraStack, apply_stack, describe_stack, lora_targets, normalize_stack, read_stack
 from .memory.budget import trim_heap
@@ -373,10 +374,14 @@ class LingbotPipeline:
         return ImageCondition(posterior, pixels)
 
     @torch.no_grad()
-    def encode_video(self, video: torch.Tensor, *, tiling: bool = False,
+    def encode_video(self, video: torch.Tensor, *, tiling=False,
                      tile_size: Tuple[int, int] = REFINER_TILE, tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE) -> Posterior:
-        """VAE-encode pixels (1, 3, T, H, W) in [0, 1]; returns the posterior (draw it with a generator)."""
+        """VAE-encode pixels (1, 3, T, H, W) in [0, 1]; returns the posterior (draw it with a generator).
+
+        The pixels stay where they are (the host): they reach the device one 4-frame chunk at a time (one
+        tile's, when tiled). ``tiling`` as in :meth:`decode`."""
         self._require_loaded()
+        tiling = tiling_enabled(tiling, video.shape[-2], video.shape[-1])
         with self.offloader.stage(), vae_tiling(self.vae, tiling, tile_size, tile_stride):
             return vae_encode(self.vae, video, self.offloader.execution_device("vae"))
 
@@ -441,18 +446,20 @@ class LingbotPipeline:
         return x
 
     @torch.no_grad()
-    def decode(self, latents: torch.Tensor, *, tiling: bool = False, tile_size: Tuple[int, int] = REFINER_TILE,
+    def decode(self, latents: torch.Tensor, *, tiling=False, tile_size: Tuple[int, int] = REFINER_TILE,
                tile_stride: Tuple[int, int] = REFINER_TILE_STRIDE, num_frames: Optional[int] = None) -> torch.Tensor:
         """DiT-space latents (1, 16, T', h, w) -> frames (T, H, W, 3) float32 in [0, 1] on the CPU.
 
-        ``tiling`` decodes in overlapping spatial tiles (``tile_size`` pixels, ``tile_stride`` apart, blended
-        over the overlap), as the reference's refiner does; only frames larger than a tile are tiled.
+        ``tiling`` (True/False, or a vae_tiling mode: "auto" = tiled above 720p, "on", "off") decodes in
+        overlapping spatial tiles (``tile_size`` pixels, ``tile_stride`` apart, blended over the overlap), as the
+        reference's refiner does, streamed to the host tile by tile; only frames larger than a tile are tiled.
         ``num_frames`` keeps the first that many frames (a video whose length is not 4n+1 was sampled with its
         tail padded: this trims the padding off); None keeps all 4(T' - 1) + 1."""
         self._require_loaded()
         decoded = (latents.shape[2] - 1) * 4 + 1
         if num_frames is not None and not 1 <= int(num_frames) <= decoded:
             raise ValueError(f"num_frames={num_frames} is not allowed: this latent decodes to {decoded} frames (1 to {decoded}).")
+        tiling = tiling_enabled(tiling, latents.shape[3] * 8, latents.shape[4] * 8)
         with self.offloader.stage(), vae_tiling(self.vae, tiling, tile_size, tile_stride):
             frames = vae_decode(self.vae, self.normalizer.to_vae(latents), self.offloader.execution_device("vae"))
         return frames if num_frames is None else frames[: int(num_frames)]
@@ -465,7 +472,7 @@ class LingbotPipeline:
                  condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
                  step_cache: float = 0.0, sampler: str = "auto", sigmas: Optional[Sequence[float]] = None,
                  video=None, video_latent: Optional[torch.Tensor] = None, denoise: float = 1.0,
-                 context_frames: int = 0, context_overlap: int = DEFAULT_OVERLAP):
+                 context_frames: int = 0, context_overlap: int = DEFAULT_OVERLAP, vae_tiling="auto"):
         """T2V (num_frames 4n+1), T2I (num_frames 1), TI2V (``image`` or a precomputed ``condition``) and
         video-to-video (``video`` or ``video_latent`` with ``denoise`` < 1).
 
@@ -496,8 +503,15 @@ class LingbotPipeline:
         ``context_frames`` (pixel frames, 4n+1; 0 = off) and ``context_overlap`` (a multiple of 4): the DiT runs
         on overlapping windows of that length (lingbot_core.sampling.context_windows); a video no longer than
         one window is sampled exactly as without windows.
+
+        ``vae_tiling`` (``auto``, ``on``, ``off``) applies to the video's encode and the decode: ``on`` uses the
+        refiner's spatial tiles (384x640, 288x480 apart) for frames larger than a tile, ``auto`` does so above 720p
+        (more than 720x1280 pixels a frame, where an untiled 24 GB card runs out of memory), ``off`` never tiles.
+        Tiles blend over their overlap, so tiled frames differ slightly from untiled ones. Either way the video
+        reaches the device one 4-frame chunk at a time, never whole.
         """
         self._require_loaded()
+        check_vae_tiling(vae_tiling)
         if self.is_refiner:
             raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
         if video is not None and video_latent is not None:
@@ -513,6 +527,7 @@ class LingbotPipeline:
             _, _, t_lat, h_lat, w_lat = video_latent.shape
             num_frames, height, width = (t_lat - 1) * 4 + 1, h_lat * 8, w_lat * 8
         check_video_size(num_frames, height, width)
+        tiling = tiling_enabled(vae_tiling, height, width)
         windows = check_context(context_frames, context_overlap)
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
@@ -536,7 +551,7 @@ class LingbotPipeline:
         if v2v:
             if video_latent is None:
                 pixels = pad_frames(resize_frames(video.float().clamp(0, 1), height, width), num_frames, dim=2)
-                posterior = self.encode_video(pixels)
+                posterior = self.encode_video(pixels, tiling=tiling)
                 video_latent = self.normalizer.to_dit(posterior.sample(torch.Generator("cpu").manual_seed(video_noise_seed(seed))))
             source = video_latent.float()
         embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
@@ -552,7 +567,7 @@ class LingbotPipeline:
                                windows=windows)
         if output_type == "latent":
             return latents
-        return _output(self.decode(latents, num_frames=keep), output_type)
+        return _output(self.decode(latents, num_frames=keep, tiling=tiling), output_type)
 
     def _check_video_latent(self, latent: torch.Tensor) -> torch.Tensor:
         channels = self.transformer.config.in_channels

@@ -6,7 +6,7 @@ import logging
 
 from ..lingbot_core import parse_prompt
 from ..lingbot_core.model.refiner import refiner_output_fps
-from ..lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION
+from ..lingbot_core.model.latents import MAX_FRAMES, MAX_SIDE, SIZE_MULTIPLE, TEMPORAL_COMPRESSION, VAE_TILING_MODES
 from ..lingbot_core.sampling.context_windows import DEFAULT_OVERLAP, MAX_CONTEXT_FRAMES, REFINER_CONTEXT_FRAMES
 from ..lingbot_core.sampling.scheduling import SAMPLERS, parse_sigmas
 from ..lingbot_core.prompts.text_conditioning import frames_for_prompt, negative_from_widget
@@ -87,6 +87,8 @@ class GenerateVideo:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                             "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); lower keeps more of the video (with shift 3: 0.3 starts at sigma 0.57, 0.5 at 0.75, 0.7 at 0.88)."}),
                 **_context_inputs(1, "1 = off (the whole video in one pass)."),
+                # Last, so that a saved workflow's widget values keep their places.
+                "vae_tiling": (list(VAE_TILING_MODES), {"default": "auto", "tooltip": "Tiled VAE encode (video-to-video) and decode, with the refiner's 384x640 tiles. auto: tiled above 720p (more than 720x1280 pixels a frame), where an untiled 1080p decode needs 30-40 GB of VRAM; on: always; off: never. Tiles blend over their overlap, so frames differ slightly from untiled ones."}),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -94,7 +96,7 @@ class GenerateVideo:
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
                  image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="auto", sigmas="",
                  video=None, video_latent=None, denoise=1.0, context_frames=1, context_overlap=DEFAULT_OVERLAP,
-                 unique_id=None):
+                 vae_tiling="auto", unique_id=None):
         parsed = parse_prompt(prompt)
         for warning in parsed.warnings:
             logger.warning("GenerateVideo prompt: %s", warning)
@@ -109,10 +111,10 @@ class GenerateVideo:
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
             output_type="latent", callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
             step_cache=step_cache, sampler=sampler, sigmas=explicit, video=video, video_latent=samples, denoise=denoise,
-            context_frames=_context_frames(context_frames), context_overlap=context_overlap,
+            context_frames=_context_frames(context_frames), context_overlap=context_overlap, vae_tiling=vae_tiling,
         )
         keep = None if video is None else int(video.shape[0])  # the video's own length (sampled padded to 4n+1)
-        return (pipe.decode(latents, num_frames=keep), _latent_output(pipe, latents))
+        return (pipe.decode(latents, num_frames=keep, tiling=vae_tiling), _latent_output(pipe, latents))
 
 
 class Refine:

@@ -232,26 +232,142 @@ def vae_tiling(vae, enabled: bool, tile: Tuple[int, int] = REFINER_TILE, stride:
 
 
 # Frames converted at a time where a whole video would otherwise make full-size temporaries on the device
-# (the encode's input, the decode's post-processing): 4 frames of 1088x1920 fp32 are 100 MB.
+# (the decode's post-processing): 4 frames of 1088x1920 fp32 are 100 MB.
 CHUNK_FRAMES = 4
+
+# GenerateVideo's vae_tiling modes. "auto" tiles above 720p: untiled, a 1080p decode needs roughly 30-40 GB
+# of VRAM (fp32 activations of 4 output frames, and the output grown by torch.cat on the device) and the encode
+# about 17-22 GB (gpu-review-4, findings 1-2), while 720p x 121 decodes whole in about 15 GB.
+VAE_TILING_MODES = ("auto", "on", "off")
+AUTO_TILING_PIXELS = 720 * 1280
+
+
+def check_vae_tiling(mode) -> None:
+    """A vae_tiling mode: "auto", "on", "off", or a bool (Refine's widget: on/off)."""
+    if not isinstance(mode, bool) and mode not in VAE_TILING_MODES:
+        raise ValueError(f"vae_tiling={mode!r} is not allowed: use 'auto' (tiled above 720p, more than 720x1280 "
+                         "pixels a frame), 'on' or 'off'.")
+
+
+def tiling_enabled(mode, height: int, width: int) -> bool:
+    """Whether vae_tiling ``mode`` turns the VAE's tiling on for frames of ``height x width`` pixels (the
+    tiles then apply to frames larger than one tile)."""
+    check_vae_tiling(mode)
+    if isinstance(mode, bool):
+        return mode
+    return mode == "on" or (mode == "auto" and height * width > AUTO_TILING_PIXELS)
+
+
+def _drives(vae) -> bool:
+    """Whether the pack can call this VAE's encoder/decoder itself (diffusers' Wan 2.1 layout: no patchify)."""
+    return (getattr(vae, "spatial_compression_ratio", None) is not None
+            and getattr(vae.config, "patch_size", None) is None
+            and all(hasattr(vae, a) for a in ("clear_cache", "quant_conv", "post_quant_conv", "encoder", "decoder")))
+
+
+def _onload(vae) -> None:
+    """Fire the VAE's offload hook, as ``vae.encode``/``vae.decode`` do (diffusers' ``apply_forward_hook``):
+    the streamed paths call the encoder's and decoder's modules directly."""
+    hook = getattr(vae, "_hf_hook", None)
+    if hook is not None and hasattr(hook, "pre_forward"):
+        hook.pre_forward(vae)
+
+
+def _causal_chunks(frames: int) -> Iterator[Tuple[int, int]]:
+    """The Wan encoder's temporal chunks, as diffusers' encode loop takes them: frame 0 alone, then 4 frames
+    each (a tail of fewer than 4 frames is not encoded)."""
+    yield 0, 1
+    for i in range(1, 1 + (frames - 1) // TEMPORAL_COMPRESSION):
+        yield 1 + TEMPORAL_COMPRESSION * (i - 1), 1 + TEMPORAL_COMPRESSION * i
+
+
+def _encode_tiled(vae, height: int, width: int) -> bool:
+    """Whether diffusers' Wan VAE would encode frames of ``height x width`` in tiles."""
+    return getattr(vae, "use_tiling", False) and (height > vae.tile_sample_min_height or width > vae.tile_sample_min_width)
 
 
 def vae_encode(vae, pixels: torch.Tensor, device: torch.device) -> Posterior:
     """Encode (B, 3, T, H, W) pixels in [0, 1] on ``device``; returns the posterior on the CPU.
 
     On CUDA the encode runs under bf16 autocast although the VAE is fp32, as the reference does. The
-    input is built on the device in frame chunks: one fp32 copy of the video there, not three (the
-    transfer, the shift, the scale; 3 GB each for 121 frames at 1088x1920).
+    video stays on the host: the encoder is fed one causal chunk at a time (frame 0, then 4 frames)
+    through its feature cache, each chunk moved to the device and scaled to [-1, 1] there, so the device
+    holds one chunk, never the video (6 GB fp32 for 241 frames at 1088x1920). With the VAE's tiling on and
+    frames larger than a tile, the chunk is one tile's: each tile runs its own causal pass, and the tiles
+    are blended as diffusers' tiled encode blends them (:class:`_TileBlender`). Tiled or not, the numbers
+    are diffusers' encode's.
     """
     autocast = device.type == "cuda" and torch.cuda.is_available()
     # No autocast off CUDA: a bf16/fp16 VAE needs inputs of its own dtype.
     dtype = torch.float32 if autocast else next((p.dtype for p in vae.parameters()), torch.float32)
-    x = torch.empty(pixels.shape, dtype=dtype, device=device)
-    for t in range(0, pixels.shape[2], CHUNK_FRAMES):
-        x[:, :, t:t + CHUNK_FRAMES] = (pixels[:, :, t:t + CHUNK_FRAMES].to(device=device, dtype=torch.float32) - 0.5) / 0.5
+    if not _drives(vae):  # a layout the pack does not drive itself: diffusers' encode of the whole video
+        x = torch.empty(pixels.shape, dtype=dtype, device=device)
+        for t in range(0, pixels.shape[2], CHUNK_FRAMES):
+            x[:, :, t:t + CHUNK_FRAMES] = (pixels[:, :, t:t + CHUNK_FRAMES].to(device=device, dtype=torch.float32) - 0.5) / 0.5
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            return Posterior(vae.encode(x).latent_dist.parameters.detach().to("cpu"))
+    _, _, frames, height, width = pixels.shape
+    ratio = vae.spatial_compression_ratio
+    tiled = _encode_tiled(vae, height, width)
+    tile_h, tile_w = (vae.tile_sample_min_height, vae.tile_sample_min_width) if tiled else (height, width)
+    step_h, step_w = (vae.tile_sample_stride_height, vae.tile_sample_stride_width) if tiled else (height, width)
+    out = []  # the host latent, allocated at the first tile part
+
+    def put(part, y, x):
+        if not out:
+            out.append(torch.empty(*part.shape[:3], height // ratio, width // ratio, dtype=part.dtype))
+        out[0][:, :, :, y:y + part.shape[3], x:x + part.shape[4]] = part.detach().to("cpu")
+
+    blender = _TileBlender((step_h // ratio, step_w // ratio), ((tile_h - step_h) // ratio, (tile_w - step_w) // ratio),
+                           (height // ratio, width // ratio), put)
+    _onload(vae)
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-        moments = vae.encode(x).latent_dist.parameters
-    return Posterior(moments.detach().to("cpu"))
+        for i, top in enumerate(range(0, height, step_h)):
+            for j, left in enumerate(range(0, width, step_w)):
+                vae.clear_cache()
+                parts = []
+                for t0, t1 in _causal_chunks(frames):
+                    x = pixels[:, :, t0:t1, top:top + tile_h, left:left + tile_w].to(device=device, dtype=torch.float32)
+                    x = ((x - 0.5) / 0.5).to(dtype)
+                    vae._enc_conv_idx = [0]
+                    h = vae.encoder(x, feat_cache=vae._enc_feat_map, feat_idx=vae._enc_conv_idx)
+                    # diffusers' tiled encode applies quant_conv per chunk, its whole-frame encode once at the end
+                    parts.append(vae.quant_conv(h) if tiled else h)
+                    del x, h
+                latent = torch.cat(parts, dim=2)
+                del parts
+                blender.add(i, j, latent if tiled else vae.quant_conv(latent))
+                del latent
+    vae.clear_cache()
+    return Posterior(out[0])
+
+
+class _TileBlender:
+    """Diffusers' Wan tile blending (encode and decode), tile by tile in row-major order.
+
+    Tile (i, j) is blended with the bottom rows of tile (i - 1, j) and the right columns of tile (i, j - 1),
+    each taken after its own blends, and its top-left ``stride`` part (cropped to ``size``) goes to
+    ``put(part, y, x)``. Only the blend overlap of the previous row is kept, so tiles can be dropped (or
+    leave the device) as soon as they are added. Sizes are in the output's units (pixels for the decode,
+    latent cells for the encode)."""
+
+    def __init__(self, stride: Tuple[int, int], blend: Tuple[int, int], size: Tuple[int, int], put):
+        self.stride, self.blend, self.size, self.put = stride, blend, size, put
+        self.row, self.above, self.bottoms, self.left = None, {}, {}, None
+
+    def add(self, i: int, j: int, tile: torch.Tensor) -> None:
+        (stride_h, stride_w), (blend_h, blend_w), (out_h, out_w) = self.stride, self.blend, self.size
+        if i != self.row:
+            self.row, self.above, self.bottoms, self.left = i, self.bottoms, {}, None
+        if j in self.above:
+            _blend_rows(self.above.pop(j), tile, blend_h)
+        if self.left is not None:
+            _blend_cols(self.left, tile, blend_w)
+        y, x = i * stride_h, j * stride_w
+        self.put(tile[:, :, :, :min(stride_h, out_h - y), :min(stride_w, out_w - x)], y, x)
+        if blend_h > 0:
+            self.bottoms[j] = tile[:, :, :, -min(blend_h, tile.shape[3]):].clone()
+        self.left = tile
 
 
 def vae_decode(vae, latents_vae: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -286,58 +402,41 @@ def _to_host(video: torch.Tensor, out: torch.Tensor, top: int, left: int) -> Non
 
 def _tiles_apply(vae, z: torch.Tensor) -> bool:
     """Whether diffusers' Wan VAE would decode ``z`` in tiles (and the streamed decode knows its layout)."""
-    ratio = getattr(vae, "spatial_compression_ratio", None)
-    if not getattr(vae, "use_tiling", False) or ratio is None or getattr(vae.config, "patch_size", None) is not None:
+    if not getattr(vae, "use_tiling", False) or not _drives(vae):
         return False
-    if not all(hasattr(vae, a) for a in ("clear_cache", "post_quant_conv", "decoder")):
-        return False
+    ratio = vae.spatial_compression_ratio
     return z.shape[3] > vae.tile_sample_min_height // ratio or z.shape[4] > vae.tile_sample_min_width // ratio
 
 
 def _tiled_decode(vae, z: torch.Tensor) -> torch.Tensor:
-    """See :func:`_tiled_decode_parts`; first fires the VAE's offload hook, as ``vae.decode`` does
-    (diffusers' ``apply_forward_hook``): the decoder's modules are called directly here."""
-    hook = getattr(vae, "_hf_hook", None)
-    if hook is not None and hasattr(hook, "pre_forward"):
-        hook.pre_forward(vae)
+    """See :func:`_tiled_decode_parts`; first fires the VAE's offload hook, as ``vae.decode`` does."""
+    _onload(vae)
     return _tiled_decode_parts(vae, z)
 
 
 def _tiled_decode_parts(vae, z: torch.Tensor) -> torch.Tensor:
     """The Wan VAE's tiled decode (the same tiles, causal frame loop and linear blends as
-    ``AutoencoderKLWan.tiled_decode``, so the same numbers), streamed to the host.
-
-    Tile (i, j) is blended with the bottom of tile (i - 1, j) and the right of tile (i, j - 1), each
-    taken after its own blends, and contributes its top-left ``stride`` part. Only the blend overlap of
-    the previous row is kept on the device; every finished part is post-processed and copied out."""
+    ``AutoencoderKLWan.tiled_decode``, so the same numbers), streamed to the host: each tile's finished
+    part is post-processed and copied out as soon as its blends are done (:class:`_TileBlender`)."""
     ratio = vae.spatial_compression_ratio
     _, _, frames, height, width = z.shape
     tile_h, tile_w = vae.tile_sample_min_height // ratio, vae.tile_sample_min_width // ratio
     step_h, step_w = vae.tile_sample_stride_height // ratio, vae.tile_sample_stride_width // ratio
-    stride_h, stride_w = vae.tile_sample_stride_height, vae.tile_sample_stride_width
-    blend_h, blend_w = vae.tile_sample_min_height - stride_h, vae.tile_sample_min_width - stride_w
-    out_h, out_w = height * ratio, width * ratio
-    out = None
-    above = {}  # column -> the last rows of that column's tile in the previous row (after its blends)
-    for top in range(0, height, step_h):
-        left_tile = None
-        bottoms = {}
-        for left in range(0, width, step_w):
-            tile = _decode_tile(vae, z[:, :, :, top:top + tile_h, left:left + tile_w], frames)
-            if out is None:
-                out = torch.empty(tile.shape[2], out_h, out_w, 3, dtype=torch.float32)
-            if left in above:
-                _blend_rows(above.pop(left), tile, blend_h)
-            if left_tile is not None:
-                _blend_cols(left_tile, tile, blend_w)
-            y, x = top * ratio, left * ratio
-            part = tile[:, :, :, :min(stride_h, out_h - y), :min(stride_w, out_w - x)]
-            _to_host(part, out, y, x)
-            bottoms[left] = tile[:, :, :, -min(blend_h, tile.shape[3]):].clone() if blend_h > 0 else None
-            left_tile = tile
-        above = {k: v for k, v in bottoms.items() if v is not None}
+    stride = (vae.tile_sample_stride_height, vae.tile_sample_stride_width)
+    blend = (vae.tile_sample_min_height - stride[0], vae.tile_sample_min_width - stride[1])
+    out = []  # the host frames, allocated at the first tile part
+
+    def put(part, y, x):
+        if not out:
+            out.append(torch.empty(part.shape[2], height * ratio, width * ratio, 3, dtype=torch.float32))
+        _to_host(part, out[0], y, x)
+
+    blender = _TileBlender(stride, blend, (height * ratio, width * ratio), put)
+    for i, top in enumerate(range(0, height, step_h)):
+        for j, left in enumerate(range(0, width, step_w)):
+            blender.add(i, j, _decode_tile(vae, z[:, :, :, top:top + tile_h, left:left + tile_w], frames))
     vae.clear_cache()
-    return out
+    return out[0]
 
 
 def _decode_tile(vae, tile_latent: torch.Tensor, frames: int) -> torch.Tensor:

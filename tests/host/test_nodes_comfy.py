@@ -25,6 +25,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from lingbot_core.prompts.text_conditioning import parse_prompt
@@ -93,6 +94,9 @@ def test_object_info_lists_the_nodes_with_documented_defaults(server):
     assert infos["GenerateVideo"]["output"] == ["IMAGE", "LATENT"]
     assert gen["sampler"][0] == ["auto", "unipc", "euler", "dmd_student"] and gen["sampler"][1]["default"] == "auto"
     assert gen["sigmas"][1]["default"] == ""
+    # vae_tiling is the last optional input: a workflow saved before it keeps its widget values in place
+    assert gen["vae_tiling"][0] == ["auto", "on", "off"] and gen["vae_tiling"][1]["default"] == "auto"
+    assert list(infos["GenerateVideo"]["input"]["optional"])[-1] == "vae_tiling"
 
     ref = widget_inputs(infos["Refine"])
     expected = {"width": 1920, "height": 1088, "steps": 8, "t_thresh": 0.85, "tail_steps": 2,
@@ -284,6 +288,38 @@ def test_seed_change_reruns_only_generate_and_identical_prompt_runs_nothing(serv
     third = server.run(copy.deepcopy(changed))
     assert executed_nodes(third) == []
     assert set(cached_nodes(third)) == set(changed)
+
+
+@comfy
+def test_generate_vae_tiling_reaches_the_decode_and_the_v2v(server):
+    """GenerateVideo's vae_tiling on tall 400x16 frames (two rows of the refiner's 384-pixel tiles, far below
+    720p): left out (a workflow saved before the input: auto) it is 'off' there; 'on' on a T2V node tiles its
+    decode, and on a V2V node fed by it tiles the video's encode (its LATENT output, the sampled latent, changes)."""
+    from safetensors.torch import load_file
+
+    tall = dict(width=16, height=400, num_frames=5, steps=1)
+    base = {"1": loader(DENSE), "2": generate("1", seed=71, **tall), "3": save_image("2", "tiling_t2v"),
+            "4": generate("1", seed=72, video=["2", 0], denoise=0.5, **tall), "5": save_image("4", "tiling_v2v"),
+            "6": {"class_type": "SaveLatent", "inputs": {"samples": ["4", 1], "filename_prefix": "tiling_v2v"}}}
+
+    def run(t2v, v2v):
+        graph = copy.deepcopy(base)
+        for nid, mode in (("2", t2v), ("4", v2v)):
+            if mode is not None:
+                graph[nid]["inputs"]["vae_tiling"] = mode
+        entry = server.run(graph)
+        (latent,) = node_files(server, entry, "6")
+        return entry, saved_frames(server, entry, "3"), saved_frames(server, entry, "5"), load_file(latent)["latent_tensor"]
+
+    _, t2v_auto, v2v_auto, _ = run(None, None)
+    _, t2v_off, v2v_off, latent_off = run("off", "off")
+    assert t2v_off.shape == v2v_off.shape == (5, 400, 16, 3) and latent_off.shape == (1, 16, 2, 50, 2)
+    assert np.array_equal(t2v_auto, t2v_off) and np.array_equal(v2v_auto, v2v_off)
+    entry, t2v_same, v2v_on, latent_on = run("off", "on")
+    assert "2" not in executed_nodes(entry) and np.array_equal(t2v_same, t2v_off)  # the T2V node was cached
+    assert not torch.equal(latent_on, latent_off) and not np.array_equal(v2v_on, v2v_off)
+    _, t2v_on, _, _ = run("on", "off")
+    assert not np.array_equal(t2v_on, t2v_off)
 
 
 # --------------------------------------------------------------------------------------------

@@ -407,3 +407,61 @@ def test_untiled_decode_and_encode_unchanged():
         moments = vae_encode(vae, pixels, torch.device("cpu")).moments
         expected = vae.encode((pixels - 0.5) / 0.5).latent_dist.parameters
     assert torch.equal(moments, expected)
+
+
+def _encoder_inputs(vae):
+    """Record the (T, H, W) of every encoder call (the chunks the encode placed on the device)."""
+    shapes = []
+    return shapes, vae.encoder.register_forward_pre_hook(lambda m, args, kwargs: shapes.append(tuple(args[0].shape[2:])),
+                                                         with_kwargs=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_chunked_untiled_encode_gives_the_whole_video_encode_bits(dtype):
+    """Issue 40: the encoder is fed frame 0, then 4 frames at a time, straight from the host pixels (never the
+    whole video), and the moments are the old whole-video encode's bit for bit (fp32 and a bf16 VAE)."""
+    from lingbot_core.model.latents import vae_encode
+
+    vae = tiny_vae(seed=4).to(dtype)
+    pixels = torch.rand(1, 3, 13, 32, 48, generator=torch.Generator().manual_seed(7))
+    shapes, handle = _encoder_inputs(vae)
+    try:
+        with vae_tiling(vae, False), torch.no_grad():
+            moments = vae_encode(vae, pixels, torch.device("cpu")).moments
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        old = torch.empty(pixels.shape, dtype=dtype)  # the whole video converted, as the encode was
+        old[:] = (pixels - 0.5) / 0.5
+        expected = vae.encode(old).latent_dist.parameters
+    assert shapes == [(1, 32, 48)] + [(4, 32, 48)] * 3
+    assert moments.dtype == dtype and moments.shape == (1, 32, 4, 4, 6)
+    assert torch.equal(moments, expected)
+
+
+@pytest.mark.parametrize("size, tile, stride", [((56, 88), (32, 48), (24, 40)), ((40, 48), (32, 48), (32, 48))],
+                         ids=["3x2 overlapping tiles", "2x1 tiles, no overlap"])
+def test_the_tiled_encode_streams_chunks_of_tiles_with_diffusers_numbers(size, tile, stride):
+    """With the VAE's tiling on and frames larger than a tile, each encoder call gets one chunk of one tile,
+    and the moments are diffusers' tiled encode's bit for bit (so tiled differs from untiled only by the tile
+    blending, as Refine's encode always did)."""
+    from lingbot_core.model.latents import vae_encode
+
+    vae = tiny_vae(seed=5)
+    pixels = torch.rand(1, 3, 9, *size, generator=torch.Generator().manual_seed(8))
+    shapes, handle = _encoder_inputs(vae)
+    try:
+        with vae_tiling(vae, True, tile, stride), torch.no_grad():
+            moments = vae_encode(vae, pixels, torch.device("cpu")).moments
+    finally:
+        handle.remove()
+    with torch.no_grad():
+        with vae_tiling(vae, True, tile, stride):
+            expected = vae.encode((pixels - 0.5) / 0.5).latent_dist.parameters
+        with vae_tiling(vae, False):
+            untiled = vae.encode((pixels - 0.5) / 0.5).latent_dist.parameters
+    tiles = math.ceil(size[0] / stride[0]) * math.ceil(size[1] / stride[1])
+    assert len(shapes) == tiles * 3 and all(t <= 4 and h <= tile[0] and w <= tile[1] for t, h, w in shapes), shapes
+    assert moments.shape == expected.shape == (1, 32, 3, size[0] // 8, size[1] // 8)
+    assert torch.equal(moments, expected)
+    assert not torch.equal(moments, untiled)

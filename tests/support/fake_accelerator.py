@@ -44,11 +44,17 @@ def point_hooks_at(pipe, device=FAKE) -> list:
 
 class Transfers(list):
     """``(module name, function name, requested device)`` per ``Tensor.to``; ``allocations`` lists
-    ``(function name, bytes, device)`` per ``torch.empty`` on the fake device (device buffers)."""
+    ``(function name, bytes, device)`` per ``torch.empty`` on the fake device (device buffers), and
+    ``placed`` the same per ``Tensor.to`` onto it (the bytes the copy would take there)."""
 
     def __init__(self):
         super().__init__()
         self.allocations = []
+        self.placed = []
+
+    def largest_on_device(self) -> int:
+        """The bytes of the largest tensor copied to or allocated on the fake device."""
+        return max((n for _, n, _ in self.allocations + self.placed), default=0)
 
 
 def _frame(skip: int = 2):
@@ -85,6 +91,8 @@ def recording_transfers():
         frame = _frame()
         requests.append((frame.f_globals.get("__name__", ""), frame.f_code.co_name, device))
         if device is not None and device.type == "cuda":
+            size = self.numel() * (dtype.itemsize if dtype is not None else self.element_size())
+            requests.placed.append((frame.f_code.co_name, size, device))
             return orig_to(self, dtype=dtype) if dtype is not None else self
         return orig_to(self, *args, **kwargs)
 
