@@ -908,3 +908,61 @@ def test_two_pipelines_draw_from_one_pin_budget(deep_package):
     finally:
         first.release()
         second.release()
+
+
+def test_pinning_is_once_per_loaded_weights_across_offload_switches(packages, tmp_path, caplog):
+    """gpu-review-4 findings 4 and 7: the homes are pinned once per loaded weights. Switching block -> model ->
+    block on unchanged weights pins nothing new (the buffers are kept, still locked, and the new streamers take
+    them back), logs "pinned N GiB ... in S s" once and counts the seconds in ``pin_stats``; a LoRA change
+    re-pins exactly the DiT blocks whose weights it replaced; offload none unlocks every kept byte."""
+    import logging
+
+    from support.lora_files import kohya_lora
+
+    lora, _ = kohya_lora(tmp_path / "style.safetensors")
+    pipe = load_pipeline(packages["dense"], offload="block", device="cpu")
+    pins = PinCounter()
+    try:
+        pipe.offloader.pins = host_memory.PinBudget(1 << 40)
+        with mock.patch.object(host_memory, "pinned_buffer", pins), \
+                caplog.at_level(logging.INFO, logger="lingbot_core"):
+            pipe.set_offload("block", device=FAKE)  # streamers on the fake CUDA device: their homes are pinned
+            with pipe.offloader.stage():
+                pass
+            dit, te = pipe.transformer._hf_hook, pipe.text_encoder._hf_hook
+            every = sorted(u.span for s in (dit, te) for u in s.units())
+            assert sorted(pins.calls) == every and pipe.pinned_bytes() == sum(every)
+            homes = {u.label: u.pinned for u in dit.units()}
+            stats = dict(pipe.offloader.pin_stats)
+            assert stats["pinned_bytes"] == sum(every) and stats["pinned_units"] == len(every) and stats["pin_s"] > 0
+            pipe.set_offload("model")
+            with pipe.offloader.stage():
+                pass
+            assert pipe.pinned_bytes() == sum(every)  # kept, still locked, while the model chain copies from them
+            pipe.set_offload("block")
+            with pipe.offloader.stage():
+                pass
+            dit, te = pipe.transformer._hf_hook, pipe.text_encoder._hf_hook
+            assert len(pins.calls) == len(every)  # 0 new pins across the switch
+            assert {u.label: u.pinned for u in dit.units()} == homes and all(b.pinned for b in pins.buffers)
+            assert pipe.offloader.pin_stats["pin_s"] == stats["pin_s"]
+            assert pipe.offloader.pin_stats["kept_units"] == len(every)
+            lines = [r.getMessage() for r in caplog.records if "pinned" in r.getMessage() and "GiB of weights" in r.getMessage()]
+            assert len(lines) == 1 and f"pinned {sum(every) / 2**30:.2f} GiB of weights" in lines[0], lines
+            pipe.set_offload("block", device="cpu")  # the LoRA's deltas are formed on the execution device
+            pipe.set_loras([(str(lora), 0.8)])  # replaces every targeted DiT weight (all in the blocks)
+            pipe.set_offload("block", device=FAKE)
+            with pipe.offloader.stage():
+                pass
+            dit = pipe.transformer._hf_hook
+            assert sorted(pins.calls[len(every):]) == sorted(u.span for u in dit.streamed)
+            assert all(not b.pinned for b in (homes[u.label] for u in dit.streamed))  # the stale buffers unlocked
+            assert dit.core.pinned is homes["core"] and pipe.offloader.pins.used == pipe.pinned_bytes() - sum(
+                h.pinned.nbytes for s in (dit, pipe.text_encoder._hf_hook) if s.ring for h in s.ring.host_slots)
+            for unit in dit.streamed:  # the merged weights now live in the new pinned homes
+                lo = unit.pinned.tensor.data_ptr()
+                assert all(lo <= t.data_ptr() < lo + unit.pinned.nbytes for *_, t in unit.slots)
+            pipe.set_offload("none", device="cpu")
+            assert pipe.pinned_bytes() == 0 and pipe.offloader.pins.used == 0 and not any(b.pinned for b in pins.buffers)
+    finally:
+        pipe.release()
