@@ -309,6 +309,7 @@ class Offloader:
             raise RuntimeError(f"{self._failed}; choose another offload mode (e.g. 'model' or 'sequential').")
         self.reset()
         try:
+            self._give_back_pins()
             self._pin_homes()
             yield
         finally:
@@ -352,6 +353,32 @@ class Offloader:
                 stats["pinned_units"] += len(pinned)
                 logger.info("LingBot-Video: pinned %.2f GiB of weights (%d blocks and resident parts) in %.1f s; kept "
                             "across offload switches until the weights change.", nbytes / 2 ** 30, len(pinned), seconds)
+
+    def _give_back_pins(self) -> None:
+        """At a stage's start, unlock pinned homes while the pin budget is exceeded: the host pinned more of
+        its own since they were pinned (ComfyUI's models), or RAM available fell below the headroom (gpu-review-4
+        finding 11). Kept buffers go first, then the resident parts, then the streamed blocks from the last
+        (the first blocks are copied most often). Nothing is copied: the weights stay where they are, pageable."""
+        excess = self.pins.excess()
+        if excess <= 0:
+            return
+        given = 0
+        while self._kept and given < excess:
+            buffer, budget = self._kept.pop()
+            given += buffer.nbytes
+            self._unpin([(buffer, budget)])
+        streamers = self.streamers()
+        units = [s.core for s in streamers] + [u for s in streamers for u in reversed(s.streamed)]
+        for unit in units:
+            if given >= excess:
+                break
+            if unit.pinned is not None and unit._budget is self.pins:
+                given += unit.span
+                unit.unpin()
+        if given:
+            logger.info("LingBot-Video: unlocked %.2f GiB of pinned weights: the pin budget now leaves %.2f GiB (the "
+                        "host's own pinned memory or the RAM headroom changed since they were pinned).",
+                        given / 2 ** 30, self.pins.limit() / 2 ** 30)
 
     def _take_back_kept(self, units) -> None:
         kept, self._kept = self._kept, []
