@@ -748,14 +748,15 @@ def moe_check(device, size: str) -> dict:
     """``bench.moe_ffn``'s variants, each against an fp64 product of the same bf16 operands (judged by
     :func:`grouped_within_bound`); on CUDA the host syncs of one layer call per dispatch."""
     from bench.moe_ffn import run
-    from lingbot_core.model.precision import grouped_mm_fast, grouped_mm_supported
+    from lingbot_core.model.precision import grouped_mm_supported, probe_grouped_mm
 
+    probe = probe_grouped_mm(device)  # as placement does; bench.moe_ffn's layers are not placed by an Offloader
     tokens = 256 if size == "tiny" else 3400
     out = run(str(device), tokens=tokens, repeats=1, tiny=True) if size == "tiny" else run(str(device), tokens=tokens, repeats=3)
     out["grouped_is_default"] = grouped_mm_supported(device)
     # On CUDA a probe (one grouped call, no host sync = native); elsewhere False. The fallback-kernel rule
     # (loop above FALLBACK_GROUPED_MAX_TOKENS off the native kernel) cannot be seen on an H200: unmeasured.
-    out["grouped_native_kernel_probe"] = grouped_mm_fast(device)
+    out["grouped_native_kernel_probe"] = probe
     out["unmeasured"] = "grouped fallback vs loop at 48k tokens (needs an sm80/89 device)"
     out["bound"] = {"rel_rms": GROUPED_REL_RMS_BOUND, "max_ulps": GROUPED_MAX_ULPS,
                     "against": "fp64 product of the same bf16 operands (routed experts)"}

@@ -34,6 +34,7 @@ from accelerate.hooks import (
     AlignDevicesHook, CpuOffload, SequentialHook, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module,
 )
 
+from ..model.precision import probe_grouped_mm
 from . import host_memory
 from .block_streaming import BlockStreamer, StreamUnit, dit_blocks
 
@@ -161,6 +162,9 @@ class Offloader:
             raise
         self._failed = None
         self.mode, self.device = mode, device
+        # At placement, not at the first MoE call mid-forward: the probe synchronises and switches the
+        # process-wide sync-debug mode (gpu-review-4 finding 12). Once per device, a no-op off CUDA.
+        probe_grouped_mm(self.component_device("transformer", device))
         if mode not in ("block", "model"):  # the weights no longer copy from their homes
             self._unpin_kept()
         empty_device_cache(device)
