@@ -8,8 +8,10 @@ cast, so its weights stay memory-mapped, the path a release package takes) is lo
 Each budget runs in a fresh process: ``LINGBOT_PINNED_GB=0`` (every copy through the staging buffers) and a
 budget larger than the weights (every home pinned). Recorded from ``/proc/self/status``: VmRSS, RssAnon,
 RssFile and VmHWM after loading, after pinning (one empty stage: pinning happens at a stage's start), and
-after one generate; the seconds pinning took; the rings' host-copy seconds, bytes and copies over the
-generate; ``pinned_bytes()``.
+after one generate; the seconds pinning took (the stage's wall time and the offloader's ``pin_stats``); the
+rings' host-copy seconds, bytes and copies over the generate; ``pinned_bytes()``; then an offload switch
+block -> model -> block on the same weights and its stage: ``after_switch_pin_stats`` shows the units taken
+back (``kept_units``) and that nothing was pinned again.
 
 No GPU here: the streamers point at the tests' fake ``cuda:3`` (``tests/support/fake_accelerator.py``: device buffers
 are host memory) and host buffers are *pretend*-pinned: plain memory that the ring treats as pinned, since a
@@ -71,6 +73,17 @@ def child(package: str, pinned_gb: str) -> dict:
         pipe.generate("a cat", **run)
         out["generate_s"] = round(time.perf_counter() - t0, 2)
     out["after_generate"] = _status()
+    out["pin_stats"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in pipe.offloader.pin_stats.items()}
+    with recording_transfers():  # an offload switch on unchanged weights: the pinned homes are taken back
+        pipe.set_offload("model")
+        pipe.set_offload("block", device=FAKE)
+        t0 = time.perf_counter()
+        with pipe.offloader.stage():
+            pass
+        out["after_switch_stage_s"] = round(time.perf_counter() - t0, 3)
+    out["after_switch_pin_stats"] = {k: round(v, 3) if isinstance(v, float) else v
+                                     for k, v in pipe.offloader.pin_stats.items()}
+    streamers = pipe.offloader.streamers()
     out["pinned_mib"] = pipe.pinned_bytes() // MIB
     out["homes_pinned_mib"] = sum(u.pinned.nbytes for s in streamers for u in s.units() if u.pinned is not None) // MIB
     out["staging_mib"] = sum(h.pinned.nbytes for s in streamers for h in s.ring.host_slots) // MIB

@@ -25,6 +25,7 @@ import comfy.model_management as mm
 import torch
 
 from ..lingbot_core.memory.budget import ram_budget_from_env
+from ..lingbot_core.memory.host_memory import shared_pin_budget
 from ..lingbot_core.pipeline_pool import PipelinePool, PipelineSpec
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -248,15 +249,29 @@ def _job_and_node():
     return None if ctx is None else (ctx.prompt_id, str(ctx.node_id))
 
 
+def comfy_pinned_bytes() -> int:
+    """Host bytes ComfyUI has page-locked for its own models (``TOTAL_PINNED_MEMORY``, in 0.3.75 and the
+    current source); 0 where ComfyUI has no such counter or reading it fails."""
+    return guarded("TOTAL_PINNED_MEMORY", "the pack's pin budget does not count ComfyUI's own pinned memory",
+                   _read_pinned, default=0)
+
+
+def _read_pinned() -> int:
+    return max(0, int(getattr(mm, "TOTAL_PINNED_MEMORY", 0) or 0))
+
+
 _POOL = None
 
 
 def pipe_pool() -> PipelinePool:
-    """The pack's one pool of pipelines (documented module state, bounded by the RAM budget)."""
+    """The pack's one pool of pipelines (documented module state, bounded by the RAM budget). The process's
+    pin budget is lowered by what ComfyUI pins itself: ComfyUI does not count our pins, so each side
+    keeping to its own cap could lock more RAM together than either allows (gpu-review-4 finding 11)."""
     global _POOL
     if _POOL is None:
         _POOL = PipelinePool(budget=ram_budget_from_env(), caller=_job_and_node)
         _POOL.observer = ComfyMemory(_POOL)
+        shared_pin_budget().pinned_elsewhere = comfy_pinned_bytes
     return _POOL
 
 

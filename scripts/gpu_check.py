@@ -40,25 +40,31 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    product of the same bf16 operands (:data:`GROUPED_REL_RMS_BOUND`, :data:`GROUPED_MAX_ULPS`), and its bit
    identity with the loop is reported, not required (cuBLAS may reduce in another order). On CUDA: host syncs
    per layer call of each dispatch (``torch.cuda.set_sync_debug_mode``).
-6. **gguf**: a MoE-shaped GGUF DiT (Q4_K, Q8_0) in offload block: bytes per step from the ring's own counter,
-   seconds per step from step 2 on (step callbacks), on CUDA host syncs per step and peak VRAM.
-7. **ring** (CUDA only; issue 24): ``bench.ring_probe`` on the 4-layer full-width MoE at 480x832x121, block
+6. **gguf**: a MoE-shaped GGUF DiT (Q4_K, Q8_0; the files are cached in ``--workdir``) in offload block: bytes per
+   step from the ring's own counter, seconds per step from step 2 on (step callbacks), on CUDA peak VRAM and the
+   host syncs per step made inside the DiT forward by the thread that runs it (:class:`ForwardSyncs`; the
+   solver's, the prompt encode's and the check's own syncs are outside it and listed as a caveat).
+7. **decode** (CUDA only; issue 24): the refiner's tiled VAE decode of a 1088x1920 latent (``--decode-frames``
+   frames, default 121 as the refiner) with the full-size random Wan VAE: seconds, ``max_memory_allocated``
+   and ``max_memory_reserved``. Before ring (:data:`LATER_PARTS`): a row group that overruns the rows' window
+   takes its time from the last part.
+8. **ring** (CUDA only; issue 24): ``bench.ring_probe`` on the 4-layer full-width MoE at 480x832x121, block
    K=0, two lockstep CFG steps, run twice: pin budget 0 (every unit through the staging buffers) and
    :data:`RING_PINNED_GB` (every home pinned, so no host memcpy by construction). Per run: pinned-home and
    staging bytes, VmRSS / VmHWM before and after the stage; per step: wall, host copy seconds, GPU idle
    between blocks, the compute thread's wait for staging, bytes and host syncs. The two runs' last steps
    (step 0 also copies the resident weights, and the first run pays CUDA's warm-up) are set side by side,
    with their wall ratio (computed): do pinned homes remove the host memcpy from the step?
-8. **decode** (CUDA only; issue 24): the refiner's tiled VAE decode of a 1088x1920 latent (``--decode-frames``
-   frames, default 121 as the refiner) with the full-size random Wan VAE: seconds, ``max_memory_allocated``
-   and ``max_memory_reserved``.
 
 Every part runs under ``try``: a part that raises (a missing package, an out-of-memory) is recorded as
 ``<part>_error`` (and makes the result FAIL) and the run goes on with the next part.
 
 Each row also reports ``per_step_s`` and ``fixed_s`` (from the step callbacks: prompt encode, image encode
 and decode, which are paid once per run) and ``projected_s`` for the 40-step run the targets are stated
-for, so an 8-step row's one-off transfers are not weighed five times over.
+for, so an 8-step row's one-off transfers are not weighed five times over. ``pin_s`` (measured by the
+offloader: copying the homes into page-locked memory, once per loaded weights, kept across offload switches)
+is its own figure per repeat and is left out of ``fixed_s`` / ``projected_s``;
+``generate_less_pin_s_computed`` is what a ratio between rows should use.
 
 TF32 stays off (ComfyUI does not enable it). ``--budget-s`` (default 480) bounds the whole run (see
 :class:`Schedule`): the packages are built first; the offload rows then get the time up to the budget minus
@@ -69,8 +75,8 @@ when a check fails or a part raised.
 
 Every figure printed is measured, except those marked "(computed)" (``projected_s``, a projection of the
 measured per-step and one-off seconds to 40 steps; ``rest_s_computed``, a row's seconds besides the text
-encoder's; the ring part's wall ratio of its two runs) and the GGUF bytes "(computed)" on a CPU, where no
-ring copies. ``grouped_native_kernel_probe`` is a probe (one grouped call that made no host sync).
+encoder's; ``generate_less_pin_s_computed``; the ring part's wall ratio of its two runs) and the GGUF bytes
+"(computed)" on a CPU, where no ring copies; each part's text in the Markdown says which. ``grouped_native_kernel_probe`` is a probe (one grouped call that made no host sync).
 
 **Packages beyond torch, transformers, accelerate, safetensors and numpy**: ``diffusers`` and ``gguf`` (both
 pure Python). A bare device lacks them: put their wheels in a ``.whl/`` folder at the repository root
@@ -131,6 +137,10 @@ MIB = 1024 * 1024
 # precision 20 s and the package build 60 s, 10 + 60 + 20 + 55 + 45 = 190 s of reservations still leave the
 # rows their 150 s floor inside the device call's 420 s budget (420 - 80 - 150 = 190).
 PART_ESTIMATE_S = {"placement": 10, "speed": 150, "gguf": 60, "moe": 20, "ring": 55, "decode": 45}
+# The parts after the rows, in the order they run. Decode comes before ring (gpu-review-4 finding 6): a row group
+# started just before the rows' deadline runs on (a moe-bf16 group: 30-60 s), and what it overruns is taken from
+# the last part; decode is the one 1080p refine-decode answer, ring has a CPU-fake counterpart.
+LATER_PARTS = ("placement", "gguf", "moe", "decode", "ring")
 # The offload rows get at least this long after the packages are built, whatever the later parts reserve.
 ROWS_FLOOR_S = 150
 DECODE_SIZE = (1088, 1920)
@@ -446,6 +456,7 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
     peak_alloc = 0
     rss_peak = 0
     pinned = 0
+    pin_times = []
     try:
         for _ in range(r.repeats):
             pipe._prompt_cache.clear()  # the text encoder runs (and moves) in every timed run
@@ -456,11 +467,13 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
             _sync(device)
             stamps = []
             te_before = len(te_spans)
+            pin_before = pipe.offloader.pin_stats["pin_s"]
             t0 = time.perf_counter()
             frames = pipe.generate(prompt, callback=lambda i, n, x0: stamps.append(time.perf_counter()),
                                    **dict(base, steps=steps, **r.generate))
             _sync(device)
             times.append(time.perf_counter() - t0)
+            pin_times.append(pipe.offloader.pin_stats["pin_s"] - pin_before)
             te_times.append(sum(te_spans[te_before:]))
             step_stamps.append(stamps)
             pinned = max(pinned, pipe.pinned_bytes())
@@ -476,29 +489,35 @@ def run_row(pipe, r: Row, device, base: dict, work: dict, load_s: float, prompt:
            "blocks_on_gpu": r.blocks_on_gpu, "allocator": r.allocator, "steps": steps, "repeats": r.repeats,
            "load_s": round(load_s, 1), "generate_s": [round(t, 2) for t in times], "text_encoder_forwards": len(te_calls),
            "text_encoder_s": [round(t, 2) for t in te_times],
+           # Pinning the homes (offload block on CUDA, once per loaded weights) is timed by the offloader: its own
+           # figure, and out of the step weighting and the computed generate seconds a ratio between rows uses.
+           "pin_s": [round(t, 2) for t in pin_times],
+           "generate_less_pin_s_computed": [round(t - p, 2) for t, p in zip(times, pin_times)],
            "rest_s_computed": [round(t - e, 2) for t, e in zip(times, te_times)],
            "frames_sha256": shas[0], "repeats_identical": len(set(shas)) == 1, "frames_finite": finite,
            "pinned_bytes": pinned, "host_memory_stats": _host_pins(device), "locked_mib": _locked_mib(),
            "rss_mib": round((_status_kib("VmRSS") or 0) / 1024), "rss_peak_mib": round(rss_peak / 1024)}
-    out.update(step_weights(times[-1], step_stamps[-1], steps))
+    out.update(step_weights(times[-1], step_stamps[-1], steps, pin_times[-1]))
     if cuda:
         out["max_memory_allocated_mib"] = round(peak_alloc / MIB)
     log(f"{r.name}: {', '.join(f'{t:.1f}' for t in times)} s (text encoder {', '.join(f'{t:.1f}' for t in te_times)} s)"
         + (f", {out['max_memory_allocated_mib']} MiB" if cuda else "")
-        + f", pinned {pinned / MIB:.0f} MiB, identical {out['repeats_identical']}")
+        + f", pinned {pinned / MIB:.0f} MiB (pinning {', '.join(f'{t:.1f}' for t in pin_times)} s), "
+        f"identical {out['repeats_identical']}")
     return out
 
 
 TARGET_STEPS = 40
 
 
-def step_weights(total_s: float, stamps: List[float], steps: int) -> dict:
+def step_weights(total_s: float, stamps: List[float], steps: int, pin_s: float = 0.0) -> dict:
     """Split a run into its per-step and its one-off seconds (prompt encode, image encode, decode, the
-    first step's extra transfers), from the step callbacks' times, and project the 40-step run."""
+    first step's extra transfers), from the step callbacks' times, and project the 40-step run. ``pin_s``
+    (pinning the homes, paid once per loaded weights, before the first step) is left out of both."""
     if len(stamps) < 2:
         return {}
     per_step = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
-    fixed = max(0.0, total_s - steps * per_step)
+    fixed = max(0.0, total_s - pin_s - steps * per_step)
     return {"per_step_s": round(per_step, 3), "fixed_s": round(fixed, 2),
             "projected_s": round(fixed + TARGET_STEPS * per_step, 1)}
 
@@ -587,6 +606,71 @@ def placement_check(device, workdir: Path) -> dict:
 
 
 GGUF_STEPS = 3  # step 1 sets up the ring and the kernels: steps 2 and 3 are timed
+GGUF_FILES_VERSION = 1  # the cached GGUF files' name carries it: bump when write_random_gguf_dit's output changes
+# Host syncs a sampling step makes outside the DiT forward (the GGUF row counts only inside it): what a reader
+# of "host syncs per step" should not look for there (gpu-review-4 finding 13; harmless at seconds per step).
+SYNCS_OUTSIDE_THE_FORWARD = ("UniPC's torch.tensor(rks, device=...) and its small linalg.solve (1-2 per step)",
+                             "encode_text's boolean-mask indexing (a nonzero, once per prompt encode)",
+                             "with the MoE per-expert loop (sm80/89 above 8,192 tokens) one per MoE layer call: "
+                             "inside the forward, counted")
+
+
+class ForwardSyncs:
+    """Host synchronisations the compute thread makes inside ``module``'s forwards, as CUDA's sync-debug mode
+    reports them (gpu-review-4 finding 5): the mode is switched to "warn" in a forward pre-hook and back in
+    the post-hook, and a warning counts only when it comes from the thread that runs the forward (the
+    warnings filter is process-wide: the staging thread's waits would land here too). Callbacks, the
+    solver and the check's own ``synchronize`` between steps are outside. ``set_mode`` stands in for
+    ``torch.cuda.set_sync_debug_mode`` in the tests (a fake sync source); ``counting`` can be cleared to
+    leave out early forwards (the ring's and kernels' set-up)."""
+
+    def __init__(self, module, set_mode=None):
+        import threading
+
+        self.module = module
+        self.set_mode = set_mode or torch.cuda.set_sync_debug_mode
+        self.count = 0
+        self.counting = True
+        self._thread = None
+        self._inside = False
+        self._handles = []
+        self._catch = None
+        self._threading = threading
+
+    def _pre(self, module, args, kwargs):
+        self._thread, self._inside = self._threading.get_ident(), True
+        self.set_mode("warn")
+
+    def _post(self, module, args, kwargs, output):
+        self.set_mode("default")
+        self._inside = False
+        return output
+
+    def _show(self, message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" in str(message):
+            if self._inside and self.counting and self._threading.get_ident() == self._thread:
+                self.count += 1
+            return
+        self._previous(message, category, filename, lineno, file, line)
+
+    def __enter__(self):
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("always")
+        self._previous = warnings.showwarning
+        warnings.showwarning = self._show
+        self._handles = [self.module.register_forward_pre_hook(self._pre, with_kwargs=True),
+                         self.module.register_forward_hook(self._post, with_kwargs=True, always_call=True)]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        if self._inside:  # a forward that raised past the post-hook
+            self.set_mode("default")
+            self._inside = False
+        self._catch.__exit__(*exc)
+        return False
 
 
 def gguf_check(device, workdir: Path, size: str) -> dict:
@@ -610,9 +694,11 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
         latent = (1, 16, 2, 16, 16)
     rows = []
     for qtype in ("Q4_K", "Q8_0"):
-        path = workdir / f"gguf-check-{size}-{qtype}.gguf"
-        if not path.is_file():
-            write_random_gguf_dit(path, config, qtype, layout="rebel", seed=0)
+        path = workdir / f"gguf-check-{size}-{qtype}-v{GGUF_FILES_VERSION}.gguf"
+        if not path.is_file():  # cached in --workdir: 2.8 + 5.2 GB at full size, written once
+            partial = path.with_name(path.name + ".partial")
+            write_random_gguf_dit(partial, config, qtype, layout="rebel", seed=0)
+            partial.rename(path)
         # no transformer/config.json in the side folder: the config comes from the file's shapes
         pipe = load_pipeline(side, transformer_file=path, offload="block", device=device,
                              dtypes={"transformer": "bf16", "text_encoder": "bf16", "vae": "fp32"})
@@ -624,24 +710,19 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
             latents = torch.randn(*latent, generator=gen)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
-            marks = []  # per step: (time, ring bytes so far, syncs so far)
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
+            marks = []  # per step: (time, ring bytes so far, syncs inside the DiT forwards so far)
+            syncs = ForwardSyncs(pipe.transformer, None if device.type == "cuda" else (lambda mode: None))
+            syncs.counting = False  # from step 2 on (step 1 sets up the ring and the kernels)
 
-                def stamp(i, n, x0):
-                    _sync(device)
-                    ring = streamer.ring
-                    syncs = sum("synchroniz" in str(w.message) for w in caught)
-                    marks.append((time.perf_counter(), ring.stats["bytes"] if ring is not None else 0, syncs))
-                    if device.type == "cuda" and i == 0:  # count from step 2 on (step 1 sets up the ring)
-                        torch.cuda.set_sync_debug_mode("warn")
+            def stamp(i, n, x0):
+                _sync(device)
+                ring = streamer.ring
+                marks.append((time.perf_counter(), ring.stats["bytes"] if ring is not None else 0, syncs.count))
+                syncs.counting = True
 
-                try:
-                    out = pipe.denoise(embeds, latents, sigmas=list(shifted_sigmas(GGUF_STEPS, 3.0)), guidance_scale=1.0,
-                                       callback=stamp)
-                finally:
-                    if device.type == "cuda":
-                        torch.cuda.set_sync_debug_mode("default")
+            with syncs:
+                out = pipe.denoise(embeds, latents, sigmas=list(shifted_sigmas(GGUF_STEPS, 3.0)), guidance_scale=1.0,
+                                   callback=stamp)
             _sync(device)
             (t_a, b_a, s_a), (t_b, b_b, s_b) = marks[0], marks[-1]
             n = len(marks) - 1
@@ -650,8 +731,8 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
                    "streamed_bytes_per_forward_computed": per_forward, "finite": bool(torch.isfinite(out).all())}
             if streamer.ring is not None and streamer.ring.stats["copies"]:  # the ring's own counter (CUDA)
                 row["ring_bytes_per_step"] = (b_b - b_a) // n
-            if device.type == "cuda":
-                row["host_syncs_per_step"] = round((s_b - s_a) / n, 1)
+            if device.type == "cuda":  # measured, inside the DiT forwards only (ForwardSyncs)
+                row["host_syncs_per_step_in_forward"] = round((s_b - s_a) / n, 1)
                 row["peak_vram_mib"] = round(torch.cuda.max_memory_allocated(device) / MIB, 1)
             rows.append(row)
             measured = row.get("ring_bytes_per_step")
@@ -660,21 +741,22 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
                 + f", {row['step_s']:.2f} s/step")
         finally:
             pipe.release()
-    return {"latent": list(latent), "rows": rows}
+    return {"latent": list(latent), "rows": rows, "syncs_outside_the_forward": list(SYNCS_OUTSIDE_THE_FORWARD)}
 
 
 def moe_check(device, size: str) -> dict:
     """``bench.moe_ffn``'s variants, each against an fp64 product of the same bf16 operands (judged by
     :func:`grouped_within_bound`); on CUDA the host syncs of one layer call per dispatch."""
     from bench.moe_ffn import run
-    from lingbot_core.model.precision import grouped_mm_fast, grouped_mm_supported
+    from lingbot_core.model.precision import grouped_mm_supported, probe_grouped_mm
 
+    probe = probe_grouped_mm(device)  # as placement does; bench.moe_ffn's layers are not placed by an Offloader
     tokens = 256 if size == "tiny" else 3400
     out = run(str(device), tokens=tokens, repeats=1, tiny=True) if size == "tiny" else run(str(device), tokens=tokens, repeats=3)
     out["grouped_is_default"] = grouped_mm_supported(device)
     # On CUDA a probe (one grouped call, no host sync = native); elsewhere False. The fallback-kernel rule
     # (loop above FALLBACK_GROUPED_MAX_TOKENS off the native kernel) cannot be seen on an H200: unmeasured.
-    out["grouped_native_kernel_probe"] = grouped_mm_fast(device)
+    out["grouped_native_kernel_probe"] = probe
     out["unmeasured"] = "grouped fallback vs loop at 48k tokens (needs an sm80/89 device)"
     out["bound"] = {"rel_rms": GROUPED_REL_RMS_BOUND, "max_ulps": GROUPED_MAX_ULPS,
                     "against": "fp64 product of the same bf16 operands (routed experts)"}
@@ -809,7 +891,7 @@ def markdown(report: dict) -> str:
     if p:
         lines += [f"Precision (tiny fp32 package, TI2V {p['workload']['height']}x{p['workload']['width']}, "
                   f"{p['workload']['num_frames']} frames, {p['workload']['steps']} steps), frames vs fp32; bound: mean |diff| "
-                  f"<= {MEAN_BOUND}, max <= {MAX_BOUND}:", "",
+                  f"<= {MEAN_BOUND}, max <= {MAX_BOUND}; measured:", "",
                   "| DiT / text encoder | mean abs diff | max abs diff | within bound |", "|---|---:|---:|:---:|"]
         for label in ("bf16", "fp8_e4m3fn"):
             x = p[label]
@@ -819,14 +901,16 @@ def markdown(report: dict) -> str:
     if rows:
         w = report["workload"]
         lines += [f"Rows (TI2V {w['width']}x{w['height']} (W x H), {w['frames']} frames, {w['steps']} steps unless "
-                  "stated; text encoder bf16, VAE fp32; prompt cache cleared before every run):", "",
-                  "| row | package | DiT | mode | alloc | steps | generate s | text encoder s | max alloc MiB | pinned MiB "
-                  "| host-cache pinned MiB | RSS peak MiB | repeats identical | same as | equal |",
-                  "|---|---|---|---|---|---:|---|---|---:|---:|---:|---:|:---:|---|:---:|"]
+                  "stated; text encoder bf16, VAE fp32; prompt cache cleared before every run); every figure measured "
+                  "(pin s: the offloader's seconds pinning the homes, inside generate s and out of the per-step "
+                  "weighting below):", "",
+                  "| row | package | DiT | mode | alloc | steps | generate s | text encoder s | pin s | max alloc MiB "
+                  "| pinned MiB | host-cache pinned MiB | RSS peak MiB | repeats identical | same as | equal |",
+                  "|---|---|---|---|---|---:|---|---|---|---:|---:|---:|---:|:---:|---|:---:|"]
         for r in rows:
             if "skipped" in r or "error" in r:
                 why = f"skipped: {r['skipped']}" if "skipped" in r else f"ERROR: {r['error'][:200]}"
-                lines.append(f"| {r['name']} | {why} |" + " |" * 13)
+                lines.append(f"| {r['name']} | {why} |" + " |" * 14)
                 continue
             mode = r["mode"] + (f" K={r['blocks_on_gpu']}" if r["mode"] == "block" else "")
             host = r["host_memory_stats"].get("allocated_bytes.current")
@@ -835,17 +919,18 @@ def markdown(report: dict) -> str:
             lines.append(
                 f"| {r['name']} | {r['package']} | {r['precision']} | {mode} | {r['allocator']} | {r['steps']} | "
                 f"{', '.join(str(t) for t in r['generate_s'])} | {', '.join(str(t) for t in r.get('text_encoder_s', []))} | "
-                f"{r.get('max_memory_allocated_mib', '—')} | "
+                f"{', '.join(str(t) for t in r.get('pin_s', []))} | {r.get('max_memory_allocated_mib', '—')} | "
                 f"{r['pinned_bytes'] / MIB:.0f} | {'—' if host is None else round(host / MIB)} | {r['rss_peak_mib']} | "
                 f"{'yes' if r['repeats_identical'] else 'NO'} | {same.get('row') or '—'} | {eq} |")
         lines.append("")
     rel = report.get("after_release")
     if rel:
-        lines += ["Locked host memory after each load was released (VmPin / VmLck MiB): "
+        lines += ["Locked host memory after each load was released (VmPin / VmLck MiB, measured): "
                   + "; ".join(f"{x['load'][0]}...: {x['locked_mib']['VmPin']} / {x['locked_mib']['VmLck']}" for x in rel), ""]
     pl = report.get("placement")
     if pl:
-        lines += ["Placement (text encoder and VAE on another device, tiny fp32 TI2V), frames vs the default placement:", "",
+        lines += ["Placement (text encoder and VAE on another device, tiny fp32 TI2V), frames vs the default placement; "
+                  "measured:", "",
                   "| text encoder + VAE on | mode | max abs diff | DiT device peak MiB | ok |", "|---|---|---:|---:|:---:|"]
         for r in pl["runs"]:
             lines.append(f"| {r['other']} | {r['mode']} | {r['max_abs']:.3g} | {r.get('dit_device_peak_mib', '—')} | "
@@ -853,17 +938,20 @@ def markdown(report: dict) -> str:
         lines.append("")
     gg = report.get("gguf")
     if gg:
-        lines += ["GGUF MoE DiT in offload block (latent " + "x".join(map(str, gg["latent"])) + "; s/step from step 2):", "",
-                  "| type | blocks | file | copied per step | s/step | host syncs per step | peak VRAM |",
+        lines += ["GGUF MoE DiT in offload block (latent " + "x".join(map(str, gg["latent"])) + "; s/step from step 2); "
+                  "measured unless marked (computed); host syncs: made inside the DiT forward by its thread:", "",
+                  "| type | blocks | file | copied per step | s/step | host syncs per step in the forward | peak VRAM |",
                   "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['type']} | {r['blocks']} | {r['file_bytes'] / MIB:.0f} MiB | "
                   + (f"{r['ring_bytes_per_step'] / MIB:.0f} MiB" if "ring_bytes_per_step" in r
                      else f"{r['streamed_bytes_per_forward_computed'] / MIB:.0f} MiB (computed)")
-                  + f" | {r['step_s']} | {r.get('host_syncs_per_step', '-')} | {r.get('peak_vram_mib', '-')} MiB |" for r in gg["rows"]]
-        lines += [""]
+                  + f" | {r['step_s']} | {r.get('host_syncs_per_step_in_forward', '-')} | {r.get('peak_vram_mib', '-')} MiB |"
+                  for r in gg["rows"]]
+        lines += ["", "Caveat (not measured here): the host syncs a step makes outside the DiT forward, not counted above: "
+                  + "; ".join(gg.get("syncs_outside_the_forward", [])) + ".", ""]
     moe = report.get("moe")
     if moe:
-        lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block), median s: "
+        lines += [f"MoE FFN ({moe['tokens']} tokens, {moe['size']}-size block; measured), median s: "
                   + ", ".join(f"{k} {v}" for k, v in moe["median_s"].items())
                   + "; bit-identical to before: " + ", ".join(f"{k} {v}" for k, v in moe["bit_identical_to_before"].items())
                   + f"; against the fp64 product (bound rel-RMS <= {GROUPED_REL_RMS_BOUND}, max <= {GROUPED_MAX_ULPS} bf16 ulps): "
@@ -877,19 +965,20 @@ def markdown(report: dict) -> str:
         lines += ring_markdown(ring)
     dec = report.get("decode")
     if dec:
-        lines += [f"Refine decode {dec['size'][0]}x{dec['size'][1]}, {dec['frames']} frames (tiled, fp32 Wan VAE): "
+        lines += [f"Refine decode {dec['size'][0]}x{dec['size'][1]}, {dec['frames']} frames (tiled, fp32 Wan VAE; measured): "
                   f"{dec['seconds']} s, peak {dec['max_memory_allocated_mib']} MiB allocated ({dec['above_weights_mib']} MiB above the "
                   f"weights), {dec['max_memory_reserved_mib']} MiB reserved", ""]
     timed = [r for r in report.get("rows", []) if "projected_s" in r]
     if timed:
-        lines += ["Per-step weighting (measured s/step and one-off seconds; projected_s to 40 steps is computed): "
+        lines += ["Per-step weighting (measured s/step and one-off seconds, pinning left out; projected_s to 40 steps is "
+                  "computed): "
                   + "; ".join(f"{r['name']} {r['per_step_s']} s/step + {r['fixed_s']} s -> {r['projected_s']} s (computed)" for r in timed), ""]
     errors = [f"{k[:-6]}: {v}" for k, v in report.items() if k.endswith("_error")]
     if errors:
         lines += ["Errors (the part raised; the run went on): " + "; ".join(errors), ""]
     skipped = [f"{k[:-8]}: {v}" for k, v in report.items() if k.endswith("_skipped")]
     if skipped:
-        lines += ["Skipped: " + "; ".join(skipped), ""]
+        lines += ["Skipped (nothing measured): " + "; ".join(skipped), ""]
     lines.append(f"Result: {'PASS' if report.get('ok') else 'FAIL'}" + (" (partial)" if report.get("partial") else ""))
     return "\n".join(lines) + "\n"
 
@@ -1043,7 +1132,7 @@ def main(argv=None) -> int:
                     report["after_release"].append(info)
                     write(report, out, t_start)
 
-                later = [p for p in ("placement", "gguf", "moe", "ring", "decode")
+                later = [p for p in LATER_PARTS
                          if p not in skip and (p in ("placement", "gguf", "moe") or device.type == "cuda")]
                 rows_deadline = schedule.rows_deadline(later)
                 report["rows_window_s"] = round(rows_deadline - schedule.clock(), 1)
@@ -1074,18 +1163,17 @@ def main(argv=None) -> int:
         if part("placement"):
             attempt("placement", lambda: report.__setitem__("placement", placement_check(device, Path(tmp))))
 
-        def gguf_part():
-            with tempfile.TemporaryDirectory(prefix="lingbot-gguf-check-") as gtmp:
-                report["gguf"] = gguf_check(device, Path(gtmp), args.size)
+        def gguf_part():  # the GGUF files (and their side package) are cached in --workdir at full size
+            report["gguf"] = gguf_check(device, workdir_full if args.size == "full" else Path(tmp), args.size)
 
         if part("gguf"):
             attempt("gguf", gguf_part)
         if part("moe"):
             attempt("moe", lambda: report.__setitem__("moe", moe_check(device, args.size)))
-        if part("ring", "bench.ring_probe --device cpu runs it on the fake device"):
-            attempt("ring", lambda: report.__setitem__("ring", ring_check(device)))
         if part("decode", "a 1088x1920 decode on a CPU takes minutes"):
             attempt("decode", lambda: report.__setitem__("decode", decode_check(device, cached_packages(), args.decode_frames)))
+        if part("ring", "bench.ring_probe --device cpu runs it on the fake device"):
+            attempt("ring", lambda: report.__setitem__("ring", ring_check(device)))
         if part("speed", "flash/sage kernels and compile gains are GPU questions"):
             def speed_part():
                 from bench.speed import device_rows

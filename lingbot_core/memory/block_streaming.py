@@ -107,6 +107,27 @@ class StreamUnit:
                 self._set(module, name, is_param, view)
         self.slots, self.pinned, self._budget = moved, buffer, budget
 
+    def adopt_pinned(self, buffer, budget=None) -> bool:
+        """Take ``buffer`` (a pinned buffer an earlier unit over the same modules pinned) as this unit's
+        pinned home if the homes still lie in it exactly as :meth:`pin_home` laid them out; False when a
+        weight was replaced since (a LoRA change, other blocks in the unit): then it must be pinned anew."""
+        if buffer.tensor is None or buffer.nbytes != self.span or self.pinned is not None:
+            return False
+        base = buffer.tensor.data_ptr()
+        for (*_, home), off in zip(self.slots, self.offsets):
+            if home.data_ptr() != base + off or not home.is_contiguous():
+                return False
+        self.pinned, self._budget = buffer, budget
+        return True
+
+    def hand_over_pinned(self):
+        """``(buffer, budget)`` of the pinned home, which this unit no longer owns (None when unpinned): the
+        offloader keeps it across a re-hook and gives it to the next unit over the same homes."""
+        if self.pinned is None:
+            return None
+        kept, self.pinned, self._budget = (self.pinned, self._budget), None, None
+        return kept
+
     def unpin(self) -> None:
         """Unlock the pinned homes. They stay where they are, as pageable memory: nothing is copied and
         the modules keep their weights."""
@@ -540,6 +561,11 @@ class BlockStreamer(ModelHook):
     def unpin_homes(self) -> None:
         for unit in self.units():
             unit.unpin()
+
+    def hand_over_pinned(self) -> list:
+        """The units' pinned homes as ``(buffer, budget)``, no longer owned by this hook (removing it then
+        unlocks nothing): see :meth:`StreamUnit.hand_over_pinned`."""
+        return [kept for kept in (u.hand_over_pinned() for u in self.units()) if kept is not None]
 
     def _streams(self):
         if self.streams is None and self.execution_device.type == "cuda" and torch.cuda.is_available():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import mmap
 import weakref
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -116,17 +116,23 @@ def _discard_cuda_error() -> None:
 class PinBudget:
     """Host bytes that offload ``block`` may page-lock for weight homes (the process's: :func:`shared_pin_budget`).
 
-    ``take(n)`` grants ``n`` bytes while the total stays within ``total`` and the system keeps
+    ``take(n)`` grants ``n`` bytes while the total stays within the limit and the system keeps
     :data:`PIN_HEADROOM` available after the pin; ``give(n)`` returns them when the homes are unpinned.
+    The limit is ``total`` less what the host pinned itself (``pinned_elsewhere()``: ComfyUI's own pinned
+    models, which it counts without ours; gpu-review-4 finding 11), read at every request.
     """
 
-    def __init__(self, total: int, headroom: int = PIN_HEADROOM):
+    def __init__(self, total: int, headroom: int = PIN_HEADROOM, pinned_elsewhere: Optional[Callable[[], int]] = None):
         self.total = max(0, int(total))
         self.headroom = headroom
         self.used = 0
+        self.pinned_elsewhere: Callable[[], int] = pinned_elsewhere or (lambda: 0)
+
+    def limit(self) -> int:
+        return max(0, self.total - max(0, int(self.pinned_elsewhere())))
 
     def take(self, nbytes: int) -> bool:
-        if self.used + nbytes > self.total:
+        if self.used + nbytes > self.limit():
             return False
         available = available_ram()
         if available is not None and available - nbytes < self.headroom:
@@ -138,7 +144,15 @@ class PinBudget:
         self.used = max(0, self.used - nbytes)
 
     def left(self) -> int:
-        return self.total - self.used
+        return max(0, self.limit() - self.used)
+
+    def excess(self) -> int:
+        """Pinned bytes to give back now: what is over the limit (the host pinned more since), or the RAM
+        missing from :data:`PIN_HEADROOM` (locked pages cannot be swapped out), whichever is larger."""
+        over = self.used - self.limit()
+        available = available_ram()
+        short = 0 if available is None else self.headroom - available
+        return max(0, min(self.used, max(over, short)))
 
 
 _SHARED: Optional[PinBudget] = None  # the process's pin budget (module state: one object, bounded by itself)

@@ -23,6 +23,7 @@ stage always runs with exactly its own component resident and leaves nothing beh
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, Iterator, List, Optional
 
@@ -33,6 +34,7 @@ from accelerate.hooks import (
     AlignDevicesHook, CpuOffload, SequentialHook, UserCpuOffloadHook, add_hook_to_module, remove_hook_from_module,
 )
 
+from ..model.precision import probe_grouped_mm
 from . import host_memory
 from .block_streaming import BlockStreamer, StreamUnit, dit_blocks
 
@@ -125,6 +127,13 @@ class Offloader:
         self.devices: Dict[str, torch.device] = {}  # per-component execution devices (else ``device``)
         self._chain: List[UserCpuOffloadHook] = []
         self._failed: Optional[str] = None  # why the last apply() failed; stages refuse to run then
+        # Pinned homes ``(buffer, budget)`` handed over by removed streamers: a re-hook over unchanged weights
+        # takes them back instead of pinning again (gpu-review-4 finding 4). Held while the mode copies from
+        # the homes (block, model); unlocked under none / sequential, on release, or when a weight changed.
+        self._kept: List[tuple] = []
+        # What pinning cost this offloader: seconds in ``_pin_homes``' copies and locks, bytes and units pinned,
+        # and units that took a kept pinned home back (nothing copied, nothing locked).
+        self.pin_stats = {"pin_s": 0.0, "pinned_bytes": 0, "pinned_units": 0, "kept_units": 0}
 
     # -- configuration --------------------------------------------------------------------------
 
@@ -145,6 +154,7 @@ class Offloader:
         except BaseException as e:
             # e.g. out of memory while moving to the GPU: leave everything on the CPU, unhooked.
             self.remove_hooks()
+            self._unpin_kept()
             for module in self.components.values():
                 module.to("cpu")
             empty_device_cache(device)
@@ -152,6 +162,11 @@ class Offloader:
             raise
         self._failed = None
         self.mode, self.device = mode, device
+        # At placement, not at the first MoE call mid-forward: the probe synchronises and switches the
+        # process-wide sync-debug mode (gpu-review-4 finding 12). Once per device, a no-op off CUDA.
+        probe_grouped_mm(self.component_device("transformer", device))
+        if mode not in ("block", "model"):  # the weights no longer copy from their homes
+            self._unpin_kept()
         empty_device_cache(device)
 
     def component_device(self, name: str, device: Optional[torch.device] = None) -> torch.device:
@@ -235,7 +250,10 @@ class Offloader:
             streamer.interrupt = check
 
     def remove_hooks(self) -> None:
-        """Detach every hook; sequential weights are restored to their CPU tensors by accelerate."""
+        """Detach every hook; sequential weights are restored to their CPU tensors by accelerate. Pinned
+        homes stay locked (kept for the next hooks, see ``_kept``)."""
+        for streamer in self.streamers():
+            self._kept += streamer.hand_over_pinned()
         for module in self.components.values():
             remove_hook_from_module(module, recurse=True)
         self._chain = []
@@ -250,6 +268,7 @@ class Offloader:
         """
         try:
             self.remove_hooks()
+            self._unpin_kept()
         finally:
             for module in self.components.values():
                 _drop_tensors(module)
@@ -294,6 +313,7 @@ class Offloader:
             raise RuntimeError(f"{self._failed}; choose another offload mode (e.g. 'model' or 'sequential').")
         self.reset()
         try:
+            self._give_back_pins()
             self._pin_homes()
             yield
         finally:
@@ -303,23 +323,89 @@ class Offloader:
         """Offload ``block`` on CUDA: move the homes of streamed units into page-locked memory while the pin
         budget allows, so their copies to the device need no host memcpy. Streamed blocks first (copied every
         step), the DiT's first, then the resident weights (copied once per stage); a unit is pinned whole
-        or not at all. Runs once per unit; a refused lock (an OS limit) stops it for this offloader."""
+        or not at all. Runs once per loaded weights: a unit whose homes still lie in a pinned buffer kept
+        from earlier hooks (an offload switch) takes it back; kept buffers no unit takes (a LoRA change
+        replaced weights) are unlocked first. A refused lock (an OS limit) stops it for this offloader."""
+        streamers = [s for s in self.streamers() if s.execution_device.type == "cuda"]
+        if not streamers:
+            return
+        units = [u for s in streamers for u in s.streamed] + [s.core for s in streamers]
+        self._take_back_kept(units)
         if self.pins.total == 0:
             return
-        streamers = [s for s in self.streamers() if s.execution_device.type == "cuda"]
-        units = [u for s in streamers for u in s.streamed] + [s.core for s in streamers]
+        t0, pinned = time.perf_counter(), []
+        try:
+            for unit in units:
+                if unit.pinned is not None or unit.on_device or not unit.nbytes or not self.pins.take(unit.span):
+                    continue
+                buffer = host_memory.pinned_buffer(unit.span)
+                if not buffer.pinned:
+                    buffer.free()
+                    self.pins.give(unit.span)
+                    self.pins.total = self.pins.used  # the OS's limit: no further attempt in this process
+                    logger.info("offload=block: the OS refused to pin more weights (%d MiB pinned); the rest is copied "
+                                "through the staging buffers.", self.pins.used >> 20)
+                    return
+                unit.pin_home(buffer, self.pins)
+                pinned.append(unit)
+        finally:
+            if pinned:
+                seconds, nbytes = time.perf_counter() - t0, sum(u.span for u in pinned)
+                stats = self.pin_stats
+                stats["pin_s"] += seconds
+                stats["pinned_bytes"] += nbytes
+                stats["pinned_units"] += len(pinned)
+                logger.info("LingBot-Video: pinned %.2f GiB of weights (%d blocks and resident parts) in %.1f s; kept "
+                            "across offload switches until the weights change.", nbytes / 2 ** 30, len(pinned), seconds)
+
+    def _give_back_pins(self) -> None:
+        """At a stage's start, unlock pinned homes while the pin budget is exceeded: the host pinned more of
+        its own since they were pinned (ComfyUI's models), or RAM available fell below the headroom (gpu-review-4
+        finding 11). Kept buffers go first, then the resident parts, then the streamed blocks from the last
+        (the first blocks are copied most often). Nothing is copied: the weights stay where they are, pageable."""
+        excess = self.pins.excess()
+        if excess <= 0:
+            return
+        given = 0
+        while self._kept and given < excess:
+            buffer, budget = self._kept.pop()
+            given += buffer.nbytes
+            self._unpin([(buffer, budget)])
+        streamers = self.streamers()
+        units = [s.core for s in streamers] + [u for s in streamers for u in reversed(s.streamed)]
         for unit in units:
-            if unit.pinned is not None or unit.on_device or not unit.nbytes or not self.pins.take(unit.span):
-                continue
-            buffer = host_memory.pinned_buffer(unit.span)
-            if not buffer.pinned:
-                buffer.free()
-                self.pins.give(unit.span)
-                self.pins.total = self.pins.used  # the OS's limit: no further attempt in this process
-                logger.info("offload=block: the OS refused to pin more weights (%d MiB pinned); the rest is copied "
-                            "through the staging buffers.", self.pins.used >> 20)
-                return
-            unit.pin_home(buffer, self.pins)
+            if given >= excess:
+                break
+            if unit.pinned is not None and unit._budget is self.pins:
+                given += unit.span
+                unit.unpin()
+        if given:
+            logger.info("LingBot-Video: unlocked %.2f GiB of pinned weights: the pin budget now leaves %.2f GiB (the "
+                        "host's own pinned memory or the RAM headroom changed since they were pinned).",
+                        given / 2 ** 30, self.pins.limit() / 2 ** 30)
+
+    def _take_back_kept(self, units) -> None:
+        kept, self._kept = self._kept, []
+        for unit in units:
+            for i, (buffer, budget) in enumerate(kept):
+                if unit.adopt_pinned(buffer, budget):
+                    self.pin_stats["kept_units"] += 1
+                    del kept[i]
+                    break
+        self._unpin(kept)
+
+    def _unpin_kept(self) -> None:
+        kept, self._kept = self._kept, []
+        self._unpin(kept)
+
+    @staticmethod
+    def _unpin(kept) -> None:
+        """Unlock kept pinned buffers; the weights that still point into them keep their values (pageable)."""
+        for buffer, budget in kept:
+            nbytes = buffer.nbytes
+            buffer.free()
+            if budget is not None:
+                budget.give(nbytes)
 
     def execution_device(self, name: str) -> torch.device:
         module = self.components.get(name)
@@ -339,8 +425,10 @@ class Offloader:
         return total
 
     def pinned_bytes(self) -> int:
-        """Page-locked host bytes this offloader holds (offload ``block``: pinned homes and staging buffers)."""
-        return sum(s.pinned_bytes() for s in self.streamers())
+        """Page-locked host bytes this offloader holds (offload ``block``: pinned homes and staging buffers; the
+        pinned homes kept across a switch to ``model``)."""
+        kept = sum(buffer.nbytes for buffer, _ in self._kept if buffer.pinned)
+        return sum(s.pinned_bytes() for s in self.streamers()) + kept
 
     def resident(self) -> List[str]:
         """Names of components with weights on a non-CPU, non-meta device (diagnostics and tests)."""

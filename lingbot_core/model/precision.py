@@ -17,9 +17,12 @@ can be tested without a GPU.
   (torch's 16-byte stride rule would raise), and off torch's native kernel (its fallback reads the offsets
   on the host and launches one matmul per expert, three times per 8,192-token chunk) the loop is used above
   :data:`FALLBACK_GROUPED_MAX_TOKENS` tokens, where the loop's one sync and fewer launches win (gpu-review-3
-  finding 6; unmeasured on sm80/89). Whether the kernel is native is probed on each CUDA device: one grouped
-  call that makes no host sync (``torch.cuda.set_sync_debug_mode``); for a capability asked about without
-  its device, torch's architecture list (sm90/sm100) stands in. On a CPU the pack's per-expert loop stays:
+  finding 6; unmeasured on sm80/89). Whether the kernel is native is probed on each CUDA device at placement
+  (:func:`probe_grouped_mm`, from ``Offloader.apply``; never mid-forward, where its two synchronisations and
+  its process-wide sync-debug switch would land inside whatever is being timed): one grouped call on
+  transposed stacks, as the experts pass them, that makes no host sync (``torch.cuda.set_sync_debug_mode``).
+  For a device not probed yet, or a capability asked about without its device, torch's architecture list
+  (sm90/sm100) stands in, and only the native kernel counts as running. On a CPU the pack's per-expert loop stays:
   there it was faster than torch's grouped kernel (docs/benchmarks.md), and a host sync costs nothing.
 - **sm70/75 experts** run with bf16 operands like everywhere else (the reference's numbers); those GPUs
   have no bf16 tensor cores, so the MoE experts are slow there. fp16 operands are not used: unmeasured
@@ -82,17 +85,39 @@ _GROUPED_NATIVE: Dict[torch.device, bool] = {}
 
 
 def grouped_mm_fast(device: torch.device, capability: Optional[Capability] = None) -> bool:
-    """Whether ``torch._grouped_mm`` has its native bf16 kernel on ``device`` (no host sync): probed on this
-    machine's CUDA device; for a ``capability`` asked about, torch's architecture list."""
+    """Whether ``torch._grouped_mm`` has its native bf16 kernel on ``device`` (no host sync): the placement
+    probe's answer for this machine's CUDA device (:func:`probe_grouped_mm`); before it, or for a
+    ``capability`` asked about, torch's architecture list. Never probes (it is asked per MoE layer call)."""
     device = torch.device(device)
     if device.type != "cuda" or not hasattr(torch, "_grouped_mm"):
         return False
-    if capability is None and torch.cuda.is_available():
-        if device not in _GROUPED_NATIVE:
-            _GROUPED_NATIVE[device] = _grouped_mm_sync_free(device)
+    if capability is None and device in _GROUPED_NATIVE:
         return _GROUPED_NATIVE[device]
     capability = capability if capability is not None else cuda_capability(device)
     return capability is not None and capability[0] in GROUPED_MM_MAJORS
+
+
+def probe_grouped_mm(device: torch.device) -> bool:
+    """Probe ``torch._grouped_mm`` on this machine's CUDA ``device`` once (at placement): whether its native
+    kernel runs (no host sync) and, if not, whether the fallback runs at all. Returns the native answer;
+    False off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not hasattr(torch, "_grouped_mm") or not torch.cuda.is_available():
+        return False
+    if device not in _GROUPED_NATIVE:
+        _GROUPED_NATIVE[device] = _grouped_mm_sync_free(device)
+    if not _GROUPED_NATIVE[device] and device not in _GROUPED_PROBES:
+        _GROUPED_PROBES[device] = _grouped_mm_runs(device)
+    return _GROUPED_NATIVE[device]
+
+
+def _probe_operands(device: torch.device):
+    """A 16-token bf16 call on two experts, with the stacks ``(experts, out, in)`` passed transposed (a
+    non-contiguous view), as ``run_experts`` passes them; widths multiples of 8."""
+    x = torch.ones(16, 32, dtype=torch.bfloat16, device=device)
+    w = torch.ones(2, 16, 32, dtype=torch.bfloat16, device=device).transpose(-2, -1)
+    offs = torch.tensor([8, 16], dtype=torch.int32, device=device)
+    return x, w, offs
 
 
 def grouped_dispatch(tokens: int, dim: int, hidden: int, *, supported: bool, native: bool) -> bool:
@@ -117,9 +142,7 @@ def _grouped_mm_sync_free(device: torch.device) -> bool:
     import warnings
 
     try:
-        x = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-        w = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
-        offs = torch.arange(1, 3, dtype=torch.int32, device=device) * 8
+        x, w, offs = _probe_operands(device)
         torch.cuda.synchronize(device)
         previous = torch.cuda.get_sync_debug_mode()
         with warnings.catch_warnings(record=True) as caught:
@@ -150,16 +173,13 @@ def grouped_mm_supported(device: torch.device, capability: Optional[Capability] 
         return True
     if capability is not None or not torch.cuda.is_available():
         return False  # a capability asked about, not this machine's device: only the native kernel is known
-    if device not in _GROUPED_PROBES:
-        _GROUPED_PROBES[device] = _grouped_mm_runs(device)
-    return _GROUPED_PROBES[device]
+    return _GROUPED_PROBES.get(device, False)  # probed at placement; never here, per MoE layer call
 
 
 def _grouped_mm_runs(device: torch.device) -> bool:
     try:
-        x = torch.ones(16, 16, dtype=torch.bfloat16, device=device)
-        w = torch.ones(2, 16, 16, dtype=torch.bfloat16, device=device)
-        torch._grouped_mm(x, w, offs=torch.tensor([8, 16], dtype=torch.int32, device=device))
+        x, w, offs = _probe_operands(device)
+        torch._grouped_mm(x, w, offs=offs)
         return True
     except (RuntimeError, NotImplementedError) as e:
         logger.info("torch._grouped_mm does not run on %s (%s): the MoE experts run in a per-expert loop.", device, e)

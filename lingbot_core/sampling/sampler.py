@@ -90,10 +90,13 @@ def sample(
             v = v_uncond + guidance_scale * (v - v_uncond)
         return v
 
+    # The DiT's timesteps on the device once per stage: a per-step .to() from pageable memory is a host sync
+    # each step (gpu-review-4 finding 13). model_timestep is elementwise: the same bits as one step at a time.
+    t_models = model_timestep(torch.as_tensor(scheduler.timesteps).reshape(-1), dtype).to(x.device)
     for i, t in enumerate(scheduler.timesteps):
         if step_cache is not None:
             step_cache.begin_step(i, total)
-        t_model = model_timestep(t.reshape(1), dtype).to(x.device)
+        t_model = t_models[i:i + 1]
         if weights is None:
             v = guided(x, t_model, 0)
         else:

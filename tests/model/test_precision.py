@@ -93,6 +93,70 @@ def test_grouped_mm_wherever_torch_runs_it():
     with mock.patch.object(precision, "cuda_capability", return_value=(8, 6)), \
             mock.patch.object(torch.cuda, "is_available", return_value=True), \
             mock.patch.object(precision, "_grouped_mm_runs", probe), \
+            mock.patch.object(precision, "_grouped_mm_sync_free", return_value=False), \
+            mock.patch.dict(precision._GROUPED_NATIVE, clear=True), \
             mock.patch.dict(precision._GROUPED_PROBES, clear=True):
+        assert grouped_mm_supported(CUDA) is False  # not placed yet: only the native kernel is known
+        precision.probe_grouped_mm(CUDA)  # placement
+        precision.probe_grouped_mm(CUDA)
         assert grouped_mm_supported(CUDA) is has and grouped_mm_supported(CUDA) is has
         assert calls == ([CUDA] if has else [])  # probed once
+
+
+def test_the_native_kernel_probe_runs_at_placement_never_from_run_experts():
+    """gpu-review-4 finding 12: the probe (two synchronisations and a process-wide sync-debug switch) runs when
+    the offloader places the DiT on a CUDA device, once per device, on transposed stacks; ``run_experts``,
+    asked per MoE layer call, only reads its answer (before placement: torch's architecture list)."""
+    import lingbot_core.memory.offload as offload
+    import lingbot_core.model.precision as precision
+    from unittest import mock
+    from torch import nn
+
+    from lingbot_core.model import transformer
+    from lingbot_core.model.transformer import Experts, run_experts
+
+    cuda = torch.device("cuda", 3)
+    probed = []
+
+    def native_probe(device):
+        probed.append(device)
+        return True
+
+    def mid_forward(device):
+        raise AssertionError("the grouped-mm probe ran inside run_experts")
+
+    gen = torch.Generator().manual_seed(0)
+    experts = Experts(8, 64, 48)
+    for p in experts.parameters():
+        p.data = (torch.randn(p.shape, generator=gen) * 0.1).to(torch.bfloat16)
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(8, generator=gen)[:2] for _ in range(20)])
+    gates = torch.rand(20, 2, generator=gen)
+    real = precision.use_grouped_mm
+    decisions = []
+
+    def on_cuda(device, *args, **kwargs):  # the decision run_experts makes, for a CUDA tensor's device
+        decisions.append(real(cuda, *args, **kwargs))
+        return decisions[-1]
+
+    with mock.patch.object(torch.cuda, "is_available", return_value=True), \
+            mock.patch.object(precision, "cuda_capability", return_value=(8, 6)), \
+            mock.patch.object(precision, "_grouped_mm_sync_free", mid_forward), \
+            mock.patch.object(precision, "_grouped_mm_runs", mid_forward), \
+            mock.patch.dict(precision._GROUPED_NATIVE, clear=True), \
+            mock.patch.dict(precision._GROUPED_PROBES, clear=True), \
+            mock.patch.object(transformer, "use_grouped_mm", on_cuda), torch.no_grad():
+        loop = run_experts(x, ids, gates, experts)  # before placement: sm86 by the list, the loop
+        assert decisions == [False]
+        with mock.patch.object(precision, "_grouped_mm_sync_free", native_probe):
+            placed = offload.Offloader({"transformer": nn.Linear(4, 4)}, stacks={"transformer": lambda m: []})
+            placed.apply("block", cuda)
+            placed.apply("model", cuda)
+            assert probed == [cuda]  # at placement, once per device
+        if hasattr(torch, "_grouped_mm"):
+            grouped = run_experts(x, ids, gates, experts)  # the placement probe's answer: native, grouped
+            assert decisions == [False, True]
+            torch.testing.assert_close(grouped, loop, rtol=0.02, atol=0.02)
+        placed.remove_hooks()
+    w = precision._probe_operands(torch.device("cpu"))[1]
+    assert w.shape == (2, 32, 16) and not w.is_contiguous()  # the experts' transposed layout

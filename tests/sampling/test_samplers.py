@@ -64,3 +64,37 @@ def test_sigma_text_and_sampler_name(dense_pipe):
         parse_sigmas("1.0, x")
     with pytest.raises(ValueError, match="sampler='ddim'"):
         dense_pipe.generate(PROMPT, **SIZE, sampler="ddim")
+
+
+@pytest.mark.parametrize("sampler", ["unipc", "euler", "dmd_student"])
+def test_the_dits_timesteps_go_to_the_device_once_per_stage(sampler):
+    """gpu-review-4 finding 13: the DiT's timestep tensor is built and moved to the latents' device once for the
+    whole loop (one ``.to`` from the sampler, not one per step), and each step's value is the reference's
+    rounding for a bf16 DiT: ``t / 1000`` in bf16, times 1000 in bf16 (999 -> 1000, 991 -> 992)."""
+    from support.fake_accelerator import recording_transfers
+
+    from lingbot_core.sampling.sampler import sample
+    from lingbot_core.sampling.scheduling import make_sampler
+
+    class Dit:
+        compute_dtype = torch.bfloat16
+
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, x, t_model, context, step_cache=None):
+            self.seen.append(t_model.clone())
+            return torch.zeros_like(x)
+
+    sigmas = shifted_sigmas(6, 3.0)
+    dit = Dit()
+    x = torch.randn(1, 16, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    with recording_transfers() as transfers:
+        sample(dit, x, sigmas, torch.zeros(1, 3, 8), None, guidance_scale=1.0, sampler=sampler,
+               generator=torch.Generator().manual_seed(1))
+    moved = [t for t in transfers if t[0].endswith("sampling.sampler") and t[1] == "sample"]
+    assert len(moved) == 1, moved
+    timesteps = make_sampler(sampler, sigmas, None, torch.Generator().manual_seed(1)).timesteps
+    want = [float((torch.tensor(float(t), dtype=torch.float32) / 1000).to(torch.bfloat16) * 1000) for t in timesteps]
+    assert [float(t) for t in dit.seen] == want and all(t.shape == (1,) for t in dit.seen)
+    assert len(dit.seen) == len(sigmas)

@@ -51,6 +51,7 @@ def test_gpu_check_tiny_cpu(tmp_path):
         for total, te, rest in zip(r["generate_s"], r["text_encoder_s"], r["rest_s_computed"]):
             assert 0 < te < total and abs(te + rest - total) <= 0.02, (r["name"], total, te, rest)
         assert r["rss_peak_mib"] >= r["rss_mib"] > 0 and r["pinned_bytes"] == 0  # nothing is pinned on a CPU
+        assert r["pin_s"] == [0.0] * r["repeats"] and r["generate_less_pin_s_computed"] == r["generate_s"]
     assert [x["load"][0] for x in report["after_release"]] == ["dense-bf16-none", "moe-bf16-none", "moe-fp8-none",
                                                                 "moe-bf16-block-lora-4step"]
     lora = rows["moe-bf16-block-lora-4step"]  # issue 16's row: the LoRA is applied and the run is 4 steps
@@ -80,6 +81,10 @@ def test_gpu_check_tiny_cpu(tmp_path):
     assert all("ring_bytes_per_step" not in r for r in gg)  # no ring copies on a CPU: nothing measured is claimed
     assert gg[0]["streamed_bytes_per_forward_computed"] < 0.6 * gg[1]["streamed_bytes_per_forward_computed"]  # 4.5 vs 8.5 bits
     assert "| Q4_K | 2 |" in md and "(computed)" in md
+    assert "host syncs a step makes outside the DiT forward" in md and "UniPC" in md  # finding 13's list
+    prose = [line for line in md.splitlines() if line and not line.startswith(("|", "#", "- date", "Result"))]
+    unlabelled = [line for line in prose if "measured" not in line and "computed" not in line]
+    assert prose and not unlabelled, unlabelled  # every part says which of its figures are measured
 
 
 def _gpu_check_module():
@@ -192,3 +197,86 @@ def test_ring_part_runs_the_probe_without_and_with_pinned_homes():
     assert sum(line.startswith("| staging | ") for line in md.splitlines()) == 1 + len(staging["per_step"])
     assert "Last step, staging -> pinned homes (measured): wall_s" in md
     assert f"wall pinned homes / staging {ring['last_step_wall_ratio_computed']} (computed)" in md
+
+
+class FakeSyncSource:
+    """Stands for CUDA's sync-debug mode: ``sync()`` warns as torch does while the mode is "warn"."""
+
+    def __init__(self):
+        self.mode, self.modes = "default", []
+
+    def set_mode(self, mode):
+        self.mode = mode
+        self.modes.append(mode)
+
+    def sync(self):
+        import warnings
+
+        if self.mode == "warn":
+            warnings.warn("called a synchronizing CUDA operation", UserWarning)
+
+
+def test_gguf_syncs_are_counted_inside_the_dit_forward_on_its_thread_only():
+    """gpu-review-4 finding 5: the GGUF row's "host syncs per step" counts what the DiT forward makes on the thread
+    that runs it (3 per forward here), not the callback's or the solver's syncs between forwards, not a
+    staging thread's syncs that happen during the forward, and not the forwards before counting starts."""
+    import threading
+    import warnings
+
+    gpu_check = _gpu_check_module()
+    source = FakeSyncSource()
+
+    class Dit(torch.nn.Module):
+        def forward(self, x):
+            for _ in range(3):
+                source.sync()
+            worker = threading.Thread(target=source.sync)  # a staging thread's wait, inside the window
+            worker.start()
+            worker.join()
+            warnings.warn("an unrelated warning")  # passed on, not counted
+            return x
+
+    dit = Dit()
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with gpu_check.ForwardSyncs(dit, source.set_mode) as syncs:
+            syncs.counting = False
+            dit(torch.zeros(1))  # step 1: not counted
+            syncs.counting = True
+            for _ in range(2):  # steps 2 and 3: forward, then the solver's and the callback's syncs
+                dit(torch.zeros(1))
+                source.set_mode("warn")  # as the old check left it: every sync between forwards would count
+                source.sync()
+                source.set_mode("default")
+    assert syncs.count == 2 * 3
+    assert [str(w.message) for w in others] == ["an unrelated warning"] * 3
+    assert source.mode == "default" and dit._forward_pre_hooks == {} and dit._forward_hooks == {}
+
+
+def test_decode_still_fits_when_a_row_group_overruns_the_rows_window_by_40_s():
+    """gpu-review-4 finding 6: at the device call's budget a row group started just before the rows' deadline runs
+    on (a moe-bf16 group, 30-60 s); with 40 s of overrun, the parts after the rows are started in order while
+    they fit, and decode (the 1080p refine-decode answer) is among them: the last part gives way."""
+    gpu_check = _gpu_check_module()
+    clock = FakeClock()
+    sched = gpu_check.Schedule(420, clock=clock)
+    clock.t += 20 + 60  # precision, package build
+    later = list(gpu_check.LATER_PARTS)
+    clock.t = sched.rows_deadline(later) + 40  # the last group started at the deadline and ran 40 s over it
+    ran = []
+    for part in later:
+        if sched.fits(part):
+            ran.append(part)
+            clock.t += gpu_check.PART_ESTIMATE_S[part]
+    assert "decode" in ran and ran[-1] != "ring" and clock() <= sched.deadline, ran
+
+
+def test_pinning_is_left_out_of_the_step_weighting():
+    """gpu-review-4 finding 7: a block row's first run pays the pinning of the homes (before its first step): the
+    one-off seconds and the 40-step projection leave it out; per step is unchanged."""
+    gpu_check = _gpu_check_module()
+    stamps = [10.0, 11.0, 12.0, 13.0]  # steps 1..4 end 1 s apart
+    plain = gpu_check.step_weights(20.0, stamps, 4)
+    pinned = gpu_check.step_weights(20.0 + 7.5, stamps, 4, pin_s=7.5)
+    assert plain == {"per_step_s": 1.0, "fixed_s": 16.0, "projected_s": 56.0}
+    assert pinned == plain
