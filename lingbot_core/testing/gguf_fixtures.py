@@ -229,3 +229,55 @@ def write_random_gguf_dit(path, config: dict, qtype_name: str, *, layout: str = 
     writer.write_tensors_to_file()
     writer.close()
     return Path(path).stat().st_size
+
+
+# -- the Qwen3-VL text encoder in llama.cpp's layout ---------------------------------------------------
+
+
+def write_text_encoder_gguf(path, model, qtype_name: str, *, seed: int = 0, embed: Optional[str] = None,
+                            arch: str = "qwen3vl", drop: tuple = ()) -> Dict[str, torch.Tensor]:
+    """The text model of the Qwen3-VL ``model`` as llama.cpp writes it (architecture ``arch``, tensors
+    named by gguf-py's own ``TensorNameMap``, the vision tower left out as it goes to the mmproj file);
+    return the fp32 values the file holds under HF names (gguf-py's ``quants.dequantize`` of the bytes).
+
+    ``qtype_name`` is the type of the decoder layers' 2-D weights (``F32`` keeps everything float), or
+    F32 where a row is not whole blocks (as llama.cpp falls back); ``embed`` the token embedding's type
+    (default: ``qtype_name``); norms are F32. K-quants are valid random blocks of the weight's amplitude
+    (gguf-py has no K-quant quantizer). ``drop`` leaves those HF names out (an incomplete file).
+    """
+    import gguf
+
+    text = model.config.text_config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3VL, text.num_hidden_layers)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(text.num_hidden_layers)
+    writer.add_embedding_length(text.hidden_size)
+    held: Dict[str, torch.Tensor] = {}
+    for hf, tensor in model.state_dict().items():
+        if not hf.startswith("model.language_model.") or hf in drop:
+            continue
+        short = "model." + hf[len("model.language_model."):]  # the names llama.cpp's converter maps
+        key = names.get_name(short, try_suffixes=(".weight", ".bias"))
+        values = tensor.detach().float().numpy()
+        kind = (embed or qtype_name) if key.startswith("token_embd") else qtype_name
+        if values.ndim == 2 and kind not in ("F32", "F16", "BF16"):
+            block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            if values.shape[-1] % block == 0:
+                qtype = gguf.GGMLQuantizationType[kind]
+                raw = encode(values, kind, rng)
+                held[hf] = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(values.shape).copy())
+                writer.add_tensor(key, raw, raw_dtype=qtype)
+                continue
+        if values.ndim == 2 and kind == "F16":
+            arr = values.astype(np.float16)
+            held[hf] = torch.from_numpy(arr.astype(np.float32))
+            writer.add_tensor(key, arr)
+            continue
+        held[hf] = torch.from_numpy(values.copy())
+        writer.add_tensor(key, values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
