@@ -3,8 +3,9 @@
 llama.cpp splits Qwen3-VL in two files: the text model (architecture ``qwen3vl``: ``token_embd``,
 ``blk.N.attn_q/attn_k/attn_v/attn_output``, ``attn_q_norm``/``attn_k_norm``, ``attn_norm``, ``ffn_norm``,
 ``ffn_gate/up/down``, ``output_norm``) and the vision tower in a separate ``mmproj-*.gguf``. The text
-model is what T2V needs; this pack does not read the mmproj file, so the vision tower is left out and
-an image prompt (TI2V) is refused naming the safetensors file that has it.
+model is what T2V needs; an ``mmproj*.gguf`` beside it that is Qwen3-VL's vision tower of the config's
+shapes provides TI2V (its Linear weights mapped too, the rest dequantized once). Without one an image
+prompt is refused naming the file to add.
 
 The file stays memory-mapped. The decoder layers' Linear weights stay their GGUF block bytes and are
 dequantized by the DiT's own quantized :class:`~lingbot_core.model.transformer.Linear` when they run
@@ -168,7 +169,31 @@ def loaded_bytes(path, dtype: torch.dtype) -> Dict[str, int]:
         for d in file.shape(key):
             n *= int(d)
         out[hf] = file.nbytes(key) if _stays_quantized(hf, file.qtype(key)) else n * size
+    out.update(_mmproj_bytes(Path(path), size))
     return out
+
+
+def _mmproj_bytes(text_path: Path, size: int) -> Dict[str, int]:
+    """Bytes of the first Qwen3-VL vision projector beside the text GGUF (name order), by its tensor names:
+    Linear weights at their mapped size, the rest as values of ``size`` bytes (header only)."""
+    for candidate in sorted(text_path.parent.iterdir()):
+        if not (is_mmproj(candidate) and is_gguf(candidate) and candidate.is_file()):
+            continue
+        try:
+            file = GGUFFile(candidate, "text_encoder")
+        except ModelPackageError:
+            continue
+        if (file.metadata("general.architecture"), file.metadata("clip.projector_type")) != (VISION_ARCHITECTURE, PROJECTOR_TYPE):
+            continue
+        out = {}
+        for key in file.keys():
+            n = 1
+            for d in file.shape(key):
+                n *= int(d)
+            linear = len(file.shape(key)) == 2 and key.endswith(".weight") and "position_embd" not in key
+            out[f"{candidate.name}:{key}"] = file.nbytes(key) if linear else n * size
+        return out
+    return {}
 
 
 class QuantizedEmbedding(nn.Module):
@@ -189,18 +214,21 @@ class QuantizedEmbedding(nn.Module):
 
 
 class MissingVisionTower(nn.Module):
-    """Stands for the vision tower a text-model GGUF does not have: an image prompt is refused by name."""
+    """Stands for the vision tower when no usable mmproj file lies beside the text GGUF: an image prompt is
+    refused naming the file to add."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, why: str = ""):
         super().__init__()
         self.file_name = Path(path).name
+        self.why = why
 
     def _refuse(self):
         return ModelPackageError(
             f"text_encoder: {self.file_name} holds Qwen3-VL's text model only; an image prompt (TI2V) needs the vision "
-            "tower. Choose a Qwen3-VL-4B text encoder that includes it, e.g. Comfy-Org's qwen3vl_4b_bf16.safetensors "
-            "(models/text_encoders), or the package's text_encoder/; llama.cpp's separate mmproj-*.gguf is not read by "
-            "this pack. Text-to-video works with the GGUF as it is.")
+            f"tower{self.why}. Put llama.cpp's vision projector of Qwen3-VL-4B (mmproj-Qwen3-VL-4B-Instruct-F16.gguf or "
+            "-Q8_0.gguf, from the same release) in the same folder and load again, or choose a text encoder that "
+            "includes it (Comfy-Org's qwen3vl_4b_bf16.safetensors, or the package's text_encoder/). Text-to-video "
+            "works without it.")
 
     @property
     def dtype(self):  # read first by Qwen3VLModel.get_image_features
@@ -210,14 +238,146 @@ class MissingVisionTower(nn.Module):
         raise self._refuse()
 
 
+# -- the vision tower: llama.cpp's mmproj file -------------------------------------------------------
+#
+# Names as llama.cpp's converter writes Qwen3-VL's vision tower (convert_hf_to_gguf.py, Qwen3VLVisionModel):
+# blocks through gguf-py's tensor map (v.blk.N.ln1/ln2/attn_qkv/attn_out/ffn_up/ffn_down), the Conv3d
+# patch kernel split along time into v.patch_embd.weight and .weight.1, the merger as v.post_ln, mm.0 and
+# mm.2, deepstack mergers as v.deepstack.<vision layer index>.{norm,fc1,fc2}; architecture "clip",
+# projector type "qwen3vl_merger".
+
+VISION_ARCHITECTURE = "clip"
+PROJECTOR_TYPE = "qwen3vl_merger"
+VISION_PREFIX = "model.visual."
+_VISION_BLOCK = {"norm1": "ln1", "norm2": "ln2", "attn.qkv": "attn_qkv", "attn.proj": "attn_out",
+                 "mlp.linear_fc1": "ffn_up", "mlp.linear_fc2": "ffn_down"}
+_MERGER = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+_DEEPSTACK = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+
+def mmproj_names(hf: str, deepstack_indexes) -> Optional[tuple]:
+    """The mmproj tensor(s) of a vision-tower tensor under HF names (two for the patch kernel), or None."""
+    if not hf.startswith(VISION_PREFIX):
+        return None
+    inner = hf[len(VISION_PREFIX):]
+    owner, _, leaf = inner.rpartition(".")
+    if inner == "patch_embed.proj.weight":
+        return ("v.patch_embd.weight", "v.patch_embd.weight.1")
+    if inner == "patch_embed.proj.bias":
+        return ("v.patch_embd.bias",)
+    if inner == "pos_embed.weight":
+        return ("v.position_embd.weight",)
+    m = re.match(r"^blocks\.(\d+)\.(.+)$", owner)
+    if m and m.group(2) in _VISION_BLOCK:
+        return (f"v.blk.{m.group(1)}.{_VISION_BLOCK[m.group(2)]}.{leaf}",)
+    if owner.startswith("merger.") and owner[len("merger."):] in _MERGER:
+        return (f"{_MERGER[owner[len('merger.'):]]}.{leaf}",)
+    m = re.match(r"^deepstack_merger_list\.(\d+)\.(.+)$", owner)
+    if m and m.group(2) in _DEEPSTACK and int(m.group(1)) < len(deepstack_indexes):
+        return (f"v.deepstack.{deepstack_indexes[int(m.group(1))]}.{_DEEPSTACK[m.group(2)]}.{leaf}",)
+    return None
+
+
+class VisionProjectorGGUF:
+    """An mmproj file checked to be Qwen3-VL's vision tower of ``config``'s shapes (header only)."""
+
+    def __init__(self, path, config):
+        from transformers import Qwen3VLForConditionalGeneration
+
+        self.path = Path(path)
+        self.file = GGUFFile(self.path, "text_encoder")
+        name = self.path.name
+        arch, projector = self.file.metadata("general.architecture"), self.file.metadata("clip.projector_type")
+        if arch != VISION_ARCHITECTURE or projector != PROJECTOR_TYPE:
+            raise ModelPackageError(f"{name} is not Qwen3-VL's vision projector (architecture {arch!r}, projector "
+                                    f"{projector!r}; expected {VISION_ARCHITECTURE!r}, {PROJECTOR_TYPE!r})")
+        with torch.device("meta"):
+            state = Qwen3VLForConditionalGeneration(config).state_dict()
+        indexes = list(config.vision_config.deepstack_visual_indexes)
+        keys = set(self.file.keys())
+        self.source = {}
+        for hf, ref in state.items():
+            if not hf.startswith(VISION_PREFIX):
+                continue
+            sources = mmproj_names(hf, indexes)
+            missing = [k for k in (sources or (hf,)) if k not in keys]
+            if sources is None or missing:
+                raise ModelPackageError(f"{name} lacks {missing[0]} of Qwen3-VL's vision tower")
+            want = tuple(ref.shape) if len(sources) == 1 else (ref.shape[0], ref.shape[1], *ref.shape[3:])
+            for k in sources:
+                if self.file.shape(k) != want:
+                    raise ModelPackageError(f"{name}: tensor {k!r} has shape {list(self.file.shape(k))}, but the "
+                                            f"Qwen3-VL config implies {list(want)} (another model size)")
+                if self.file.qtype(k).name not in SUPPORTED:
+                    raise ModelPackageError(f"{name}: tensor {k!r} is stored as {self.file.qtype(k).name}, which this "
+                                            "pack cannot dequantize")
+            self.source[hf] = sources
+
+
+def find_mmproj(text_path: Path, config):
+    """The first ``mmproj*.gguf`` beside the text GGUF (name order) that is Qwen3-VL's vision tower of
+    ``config``'s shapes, and why the others were passed over."""
+    why = []
+    for candidate in sorted(Path(text_path).parent.iterdir()):
+        if not (is_mmproj(candidate) and is_gguf(candidate) and candidate.is_file()):
+            continue
+        try:
+            return VisionProjectorGGUF(candidate, config), why
+        except ModelPackageError as e:
+            why.append(str(e).removeprefix("text_encoder: "))
+    return None, why
+
+
+def _linear_bytes(raw: torch.Tensor, qtype) -> torch.Tensor:
+    """A Linear weight as the bytes the quantized Linear takes: block bytes as they are, float values as
+    their bytes (still the mapped file; cast to the compute dtype per call)."""
+    return raw if gguf_weights.is_block_quantized(qtype) else raw.contiguous().view(torch.uint8)
+
+
+def _quantized_linear(old: nn.Linear, raw: torch.Tensor, qtype) -> nn.Module:
+    from .transformer import Linear
+
+    with torch.device("meta"):
+        linear = Linear(old.in_features, old.out_features, bias=old.bias is not None)
+    linear._parameters["weight"] = nn.Parameter(raw, requires_grad=False)
+    linear.weight_qtype = qtype
+    return linear
+
+
+def _values(raw: torch.Tensor, qtype, dtype: torch.dtype) -> torch.Tensor:
+    return (gguf_weights.dequantize(raw, qtype) if gguf_weights.is_block_quantized(qtype) else raw).to(dtype)
+
+
+def _load_vision(visual: nn.Module, proj: VisionProjectorGGUF, dtype: torch.dtype, vision_config) -> None:
+    """The vision tower's tensors from the mmproj file: Linear weights stay mapped bytes (dequantized or cast
+    per call), the rest (norms, biases, position table, patch kernel) become ``dtype`` values once."""
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionRotaryEmbedding
+
+    state = {}
+    for hf, sources in proj.source.items():
+        inner = hf[len(VISION_PREFIX):]
+        owner_name, _, leaf = inner.rpartition(".")
+        owner = visual.get_submodule(owner_name)
+        parts = [(proj.file.get(k), proj.file.qtype(k)) for k in sources]
+        if isinstance(owner, nn.Linear) and leaf == "weight":
+            parent_name, _, attr = owner_name.rpartition(".")
+            raw, qtype = parts[0]
+            setattr(visual.get_submodule(parent_name), attr, _quantized_linear(owner, _linear_bytes(raw, qtype), qtype))
+            continue
+        values = [_values(raw, qtype, dtype) for raw, qtype in parts]
+        state[inner] = values[0] if len(values) == 1 else torch.stack(values, dim=2)  # the kernel's time axis
+    visual.load_state_dict(state, strict=False, assign=True)
+    visual.rotary_pos_emb = Qwen3VLVisionRotaryEmbedding(vision_config)
+
+
 def load_text_encoder_gguf(path, dtype: torch.dtype, config):
-    """Qwen3-VL (text model only) from a llama.cpp GGUF, for the shapes ``config`` (a ``Qwen3VLConfig``) describes."""
+    """Qwen3-VL from a llama.cpp text GGUF, for the shapes ``config`` (a ``Qwen3VLConfig``) describes; the
+    vision tower from an ``mmproj*.gguf`` beside it when there is one (else an image prompt is refused)."""
     from transformers import Qwen3VLForConditionalGeneration
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
-    from .transformer import Linear
-
     te = TextEncoderGGUF(path, config)
+    proj, why = find_mmproj(te.path, config)
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(config)
@@ -234,15 +394,11 @@ def load_text_encoder_gguf(path, dtype: torch.dtype, config):
                     continue
                 parent_name, _, leaf = owner_name.rpartition(".")
                 parent = text.get_submodule(parent_name)
-                old = getattr(parent, leaf)
-                with torch.device("meta"):
-                    linear = Linear(old.in_features, old.out_features, bias=False)
-                linear._parameters["weight"] = nn.Parameter(raw, requires_grad=False)
-                linear.weight_qtype = qtype
-                setattr(parent, leaf, linear)
+                setattr(parent, leaf, _quantized_linear(getattr(parent, leaf), raw, qtype))
                 continue
-            values = gguf_weights.dequantize(raw, qtype) if gguf_weights.is_block_quantized(qtype) else raw
-            state[inner] = values.to(dtype)
+            state[inner] = _values(raw, qtype, dtype)
+        if proj is not None:
+            _load_vision(model.model.visual, proj, dtype, config.vision_config)
     except (OSError, ValueError, RuntimeError) as e:
         if isinstance(e, ModelPackageError):
             raise
@@ -251,7 +407,8 @@ def load_text_encoder_gguf(path, dtype: torch.dtype, config):
     text.load_state_dict(state, strict=False, assign=True)
     # Built on meta, the rotary tables (buffers, not in any file) are made again from the config.
     text.rotary_emb = Qwen3VLTextRotaryEmbedding(config=config.text_config)
-    model.model.visual = MissingVisionTower(te.path)
+    if proj is None:
+        model.model.visual = MissingVisionTower(te.path, f" ({'; '.join(why)})" if why else "")
     # Only the final hidden states are used (the pack's loader sets the same head); nothing to tie.
     model.lm_head = nn.Identity()
     still_meta = [k for k, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]

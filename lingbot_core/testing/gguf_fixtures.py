@@ -281,3 +281,64 @@ def write_text_encoder_gguf(path, model, qtype_name: str, *, seed: int = 0, embe
     writer.write_tensors_to_file()
     writer.close()
     return held
+
+
+def write_mmproj_gguf(path, model, qtype_name: str = "F16", *, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The vision tower of the Qwen3-VL ``model`` as llama.cpp's mmproj file (architecture ``clip``,
+    projector ``qwen3vl_merger``): blocks named by gguf-py's ``TensorNameMap``, and as llama.cpp's converter
+    writes the rest (docs: the Conv3d patch kernel split along time into ``v.patch_embd.weight`` and
+    ``.weight.1``, the merger as ``v.post_ln``/``mm.0``/``mm.2``, deepstack mergers as
+    ``v.deepstack.<vision layer>.{norm,fc1,fc2}``). 2-D Linear weights in ``qtype_name`` (F16 or a block
+    type), the rest F32. Returns the fp32 values held, under HF names."""
+    import gguf
+
+    vision = model.config.vision_config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
+    indexes = list(vision.deepstack_visual_indexes)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_clip_projector_type("qwen3vl_merger")
+    held: Dict[str, torch.Tensor] = {}
+    merger = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+    deepstack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+    def add(key, values, linear):
+        if linear and qtype_name == "F16":
+            arr = values.astype(np.float16)
+            writer.add_tensor(key, arr)
+            return torch.from_numpy(arr.astype(np.float32))
+        if linear and qtype_name != "F32":
+            qtype = gguf.GGMLQuantizationType[qtype_name]
+            raw = encode(values, qtype_name, rng)
+            writer.add_tensor(key, raw, raw_dtype=qtype)
+            return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(values.shape).copy())
+        writer.add_tensor(key, values.astype(np.float32))
+        return torch.from_numpy(values.astype(np.float32).copy())
+
+    for hf, tensor in model.state_dict().items():
+        if not hf.startswith("model.visual."):
+            continue
+        inner = hf[len("model.visual."):]
+        owner, _, leaf = inner.rpartition(".")
+        values = tensor.detach().float().numpy()
+        if inner == "patch_embed.proj.weight":
+            a = add("v.patch_embd.weight", np.ascontiguousarray(values[:, :, 0]), False)
+            b = add("v.patch_embd.weight.1", np.ascontiguousarray(values[:, :, 1]), False)
+            held[hf] = torch.stack([a, b], dim=2)
+            continue
+        if inner == "patch_embed.proj.bias":
+            key = "v.patch_embd.bias"
+        elif owner.startswith("merger."):
+            key = f"{merger[owner[len('merger.'):]]}.{leaf}"
+        elif owner.startswith("deepstack_merger_list."):
+            i, part = owner[len("deepstack_merger_list."):].split(".", 1)
+            key = f"v.deepstack.{indexes[int(i)]}.{deepstack[part]}.{leaf}"
+        else:
+            key = names.get_name("visual." + inner, try_suffixes=(".weight", ".bias"))
+        linear = values.ndim == 2 and leaf == "weight" and "pos_embed" not in inner
+        held[hf] = add(key, values, linear)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held

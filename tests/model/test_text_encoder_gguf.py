@@ -1,7 +1,8 @@
 """The Qwen3-VL text encoder as llama.cpp's text-model GGUF (issue 41): the prompt embeddings of the F32
 file equal the safetensors file's; quantized files give those of the same model holding gguf-py's
 dequantized values, with their Linear weights and token embedding kept as memory-mapped block bytes;
-files of another model, incomplete files and image prompts are refused naming the file and what to do."""
+an mmproj file beside it serves image prompts (TI2V); files of another model, incomplete files and image
+prompts without a usable mmproj are refused naming the file and what to do."""
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from lingbot_core.files.checkpoint_files import ModelPackageError
 from lingbot_core.model.component_files import load_text_encoder_file
 from lingbot_core.prompts.text_conditioning import encode_text, template_crop_start
 from lingbot_core.testing import file_fixtures as ff
-from lingbot_core.testing.gguf_fixtures import write_text_encoder_gguf
+from lingbot_core.testing.gguf_fixtures import write_mmproj_gguf, write_text_encoder_gguf
 
 PROMPTS = ("a cat on a sofa, 一只猫 🐱", "rain over a harbour at night")
 # Widths whose rows are whole 256-value K-quant blocks (hidden 256, attention 4 x 64, MLP 512); a small
@@ -27,6 +28,9 @@ WIDE_TEXT_CONFIG = {
                                         "mrope_section": [16, 8, 8]}},
     "vision_config": {**ff.TINY_TEXT_CONFIG["vision_config"], "out_hidden_size": 256},
 }
+# The deepstack merger fed by vision layer 1 (not 0): llama.cpp names it by that layer, not by list position.
+VISION_TEXT_CONFIG = {**ff.TINY_TEXT_CONFIG,
+                      "vision_config": {**ff.TINY_TEXT_CONFIG["vision_config"], "deepstack_visual_indexes": [1]}}
 WIDE_IDS = torch.tensor([[3, 500, 17, 17, 255, 0, 511, 42, 128, 7]])
 
 
@@ -76,7 +80,8 @@ def _oracle(model, held, raw, path=None, dtype=torch.float32, copy=True):
 
     values = deepcopy(model) if copy else model
     missing, unexpected = values.load_state_dict(held, strict=False)
-    assert not unexpected and all(not k.startswith("model.language_model.") for k in missing)
+    family = "model.visual." if next(iter(held)).startswith("model.visual.") else "model.language_model."
+    assert not unexpected and all(not k.startswith(family) for k in missing)  # the file holds all of its part
     if path is not None:
         save_file(ff.comfy_text_encoder_state(values), str(path))
         values = load_text_encoder_file(path, dtype, config=raw)
@@ -86,9 +91,7 @@ def _oracle(model, held, raw, path=None, dtype=torch.float32, copy=True):
 
 def _in_map(t: torch.Tensor, path) -> bool:
     """The tensor's bytes are a view of the file's memory map (not a copy)."""
-    import mmap  # noqa: F401  (the map is numpy's memmap of the file)
-
-    with open(f"/proc/self/maps") as f:
+    with open("/proc/self/maps") as f:
         for line in f:
             if str(path) in line:
                 lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
@@ -184,14 +187,65 @@ def test_other_models_incomplete_files_and_mmproj_are_refused_by_name(setup):
         load_text_encoder_file(mmproj, torch.float32, config=ff.TINY_TEXT_CONFIG)
 
 
-def test_an_image_prompt_names_the_file_that_has_the_vision_tower(setup):
+def _image():
     from PIL import Image
 
-    te = load_text_encoder_file(setup["q8"], torch.float32, config=ff.TINY_TEXT_CONFIG)
-    image = Image.fromarray(np.full((64, 64, 3), 128, dtype=np.uint8))
+    return Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+
+
+def test_an_image_prompt_without_a_usable_mmproj_names_the_file_to_add(setup):
+    alone = setup["root"] / "alone"
+    alone.mkdir()
+    (alone / setup["q8"].name).symlink_to(setup["q8"])
+    te = load_text_encoder_file(alone / setup["q8"].name, torch.float32, config=ff.TINY_TEXT_CONFIG)
     with pytest.raises(ModelPackageError, match=r"Qwen3-VL-tiny-Q8_0.gguf holds Qwen3-VL's text model only.*"
-                                                r"qwen3vl_4b_bf16.safetensors"):
-        encode_text(te, setup["processor"], "a cat", image, torch.device("cpu"), setup["crop"])
+                                                r"mmproj-Qwen3-VL-4B-Instruct-F16.gguf.*same folder"):
+        encode_text(te, setup["processor"], "a cat", _image(), torch.device("cpu"), setup["crop"])
+    # an mmproj of another model beside it is passed over, and the message says why
+    write_text_encoder_gguf(alone / "mmproj-other.gguf", setup["tiny"], "F32", arch="clip")
+    te = load_text_encoder_file(alone / setup["q8"].name, torch.float32, config=ff.TINY_TEXT_CONFIG)
+    with pytest.raises(ModelPackageError, match=r"mmproj-other.gguf is not Qwen3-VL's vision projector"):
+        encode_text(te, setup["processor"], "a cat", _image(), torch.device("cpu"), setup["crop"])
+
+
+@pytest.mark.parametrize("vision_type", ["F32", "F16", "Q8_0"])
+def test_an_mmproj_beside_the_text_gguf_serves_image_prompts(setup, vision_type):
+    """TI2V: the mmproj's vision tower gives the image-prompt embeddings of the model holding its values
+    (F32: the model's own, exactly); its Linear weights stay mapped bytes."""
+    if "vision_model" not in setup:  # built once, for the three types
+        setup["vision_model"] = model = _model(VISION_TEXT_CONFIG, 7)
+        setup["vision_text"] = setup["root"] / "Qwen3-VL-tiny-vision-F32.gguf"
+        write_text_encoder_gguf(setup["vision_text"], model, "F32")
+    model = setup["vision_model"]
+    folder = setup["root"] / f"vision-{vision_type}"
+    folder.mkdir()
+    text = folder / "Qwen3-VL-tiny-F32.gguf"
+    text.symlink_to(setup["vision_text"])
+    proj = folder / f"mmproj-Qwen3-VL-tiny-{vision_type}.gguf"
+    held = write_mmproj_gguf(proj, model, vision_type, seed=2)
+    want = [encode_text(_oracle(model, held, VISION_TEXT_CONFIG), setup["processor"], p, _image(),
+                        torch.device("cpu"), setup["crop"]) for p in PROMPTS]
+    te = load_text_encoder_file(text, torch.float32, config=VISION_TEXT_CONFIG)
+    got = [encode_text(te, setup["processor"], p, _image(), torch.device("cpu"), setup["crop"]) for p in PROMPTS]
+    image_free = _embeds(setup, te)
+    for w, g, plain in zip(want, got, image_free):
+        assert w.shape == g.shape and w.shape[1] > plain.shape[1]  # the image's tokens are in
+        if vision_type == "F32":
+            assert torch.equal(g, w)
+        else:
+            assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item(), (g - w).abs().max().item()
+    qkv = te.model.visual.blocks[0].attn.qkv
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight_qtype.name == vision_type and _in_map(qkv.weight, proj)
+    # the budget counts the vision tower too: Linear weights at their stored size, the rest as bf16 values
+    from lingbot_core.model.text_encoder_gguf import loaded_bytes
+
+    counted = sum(n for k, n in loaded_bytes(text, torch.bfloat16).items() if k.startswith(proj.name + ":"))
+    stored = {"F32": lambda n: 4 * n, "F16": lambda n: 2 * n, "Q8_0": lambda n: n // 32 * 34}[vision_type]
+    assert counted == sum(stored(v.numel()) if v.ndim == 2 and k.endswith("weight") and "pos_embed" not in k
+                          else 2 * v.numel() for k, v in held.items())
+    merger = te.model.visual.deepstack_merger_list[0].linear_fc2
+    assert merger.weight_qtype.name == vision_type and torch.equal(
+        merger.bias, held["model.visual.deepstack_merger_list.0.linear_fc2.bias"])
 
 
 def test_the_memory_budget_counts_quantized_weights_at_their_block_size(setup):
