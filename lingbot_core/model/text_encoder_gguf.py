@@ -34,8 +34,8 @@ from ..files.checkpoint_files import GGUFFile, ModelPackageError
 
 ARCHITECTURE = "qwen3vl"
 TEXT_PREFIX = "model.language_model."
-# HF name inside the text model -> llama.cpp name (written from llama.cpp's tensor names; the tests
-# compare this table with gguf-py's own TensorNameMap).
+# HF name inside the text model -> llama.cpp name (written from llama.cpp's tensor names; the tests'
+# files are named by gguf-py's own TensorNameMap, so a wrong entry fails them as a missing tensor).
 _TOP_NAMES = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
 _LAYER_NAMES = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
