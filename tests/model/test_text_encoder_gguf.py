@@ -4,6 +4,8 @@ dequantized values, with their Linear weights and token embedding kept as memory
 an mmproj file beside it serves image prompts (TI2V); files of another model, incomplete files and image
 prompts without a usable mmproj are refused naming the file and what to do."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -197,7 +199,10 @@ def test_an_image_prompt_without_a_usable_mmproj_names_the_file_to_add(setup):
     alone = setup["root"] / "alone"
     alone.mkdir()
     (alone / setup["q8"].name).symlink_to(setup["q8"])
-    te = load_text_encoder_file(alone / setup["q8"].name, torch.float32, config=ff.TINY_TEXT_CONFIG)
+    # the <stem>.json beside the file wins over the shipped 4B config (no config passed)
+    (alone / setup["q8"].name).with_suffix(".json").write_text(json.dumps(ff.TINY_TEXT_CONFIG), encoding="utf-8")
+    te = load_text_encoder_file(alone / setup["q8"].name, torch.float32)
+    assert te.config.text_config.hidden_size == 64
     with pytest.raises(ModelPackageError, match=r"Qwen3-VL-tiny-Q8_0.gguf holds Qwen3-VL's text model only.*"
                                                 r"mmproj-Qwen3-VL-4B-Instruct-F16.gguf.*same folder"):
         encode_text(te, setup["processor"], "a cat", _image(), torch.device("cpu"), setup["crop"])
