@@ -3,6 +3,7 @@ RSS of the three-file pipeline after the load and after encoding prompts (anonym
 prompt-encode time, and the full-size figures computed from the shipped Qwen3-VL-4B config.
 
     flock /tmp/lingbot-heavy.lock .venv/bin/python -m bench.text_encoder_gguf --json te-gguf.json [--layers 2]
+        [--device cuda --offload block]   (on a GPU: the same, plus the GPU peak per encoder)
 
 The measured encoders have the released widths (hidden 2560, 32/8 heads of 128, MLP 9728, the full
 151,936-row vocabulary) but ``--layers`` of the 36 decoder layers (default 2), random weights: the bf16
@@ -120,7 +121,7 @@ def _comfy(key: str) -> str:
     return key[len("model."):] if key.startswith("model.visual.") else key
 
 
-def child(te: str, dit: str, vae: str, repeat: int) -> dict:
+def child(te: str, dit: str, vae: str, repeat: int, device: str = "cpu", offload: str = "none") -> dict:
     import torch
 
     from lingbot_core import load_pipeline
@@ -128,7 +129,7 @@ def child(te: str, dit: str, vae: str, repeat: int) -> dict:
     torch.set_num_threads(2)
     before = _status()
     t = time.perf_counter()
-    pipe = load_pipeline(None, device="cpu", dtypes={"transformer": "bf16", "text_encoder": "bf16"},
+    pipe = load_pipeline(None, device=device, offload=offload, dtypes={"transformer": "bf16", "text_encoder": "bf16"},
                          transformer_file=dit, text_encoder_file=te, vae_file=vae)
     load_s = time.perf_counter() - t
     loaded = _status()
@@ -137,9 +138,13 @@ def child(te: str, dit: str, vae: str, repeat: int) -> dict:
         pipe._prompt_cache.clear()  # each encode runs the encoder
         t = time.perf_counter()
         e = pipe.encode_prompt(PROMPTS[i % 2], guidance_scale=1.0)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     encoded = _status()
+    gpu = torch.cuda.max_memory_allocated() if device.startswith("cuda") else None
     return {"file_bytes": Path(te).stat().st_size, "load_s": load_s, "tokens": int(e.positive.shape[1]),
+            "device": device, "offload": offload, "gpu_peak_bytes": gpu,
             "encode_s": statistics.median(times), "first_encode_s": times[0],
             "before": before, "loaded": loaded, "encoded": encoded}
 
@@ -177,16 +182,19 @@ def main(argv=None):
     p.add_argument("--work", default="/tmp/lingbot-bench-te-gguf")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU check: the same loads and encodes there)")
+    p.add_argument("--offload", default="none", help="the pipeline's offload mode (none, model, sequential, block)")
     p.add_argument("--json")
     p.add_argument("--child", nargs=3, metavar=("TE", "DIT", "VAE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.child:
-        print(json.dumps(child(*a.child, a.repeat)))
+        print(json.dumps(child(*a.child, a.repeat, a.device, a.offload)))
         return None
     paths = write_files(Path(a.work), a.layers)
     rows = {}
     for variant in VARIANTS:
-        cmd = [sys.executable, "-m", "bench.text_encoder_gguf", "--repeat", str(a.repeat), "--child",
+        cmd = [sys.executable, "-m", "bench.text_encoder_gguf", "--repeat", str(a.repeat), "--device", a.device,
+               "--offload", a.offload, "--child",
                str(paths["files"][variant]), str(paths["dit"]), str(paths["vae"])]
         out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, check=True)
         rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
