@@ -269,3 +269,23 @@ def test_the_memory_budget_counts_quantized_weights_at_their_block_size(setup):
     st_text = sum(2 * v.numel() for k, v in setup["tiny"].state_dict().items() if k != "lm_head.weight")
     gguf_text = sum(v.numel() // 32 * 34 if v.ndim == 2 else 2 * v.numel() for v in held.values())
     assert with_st - with_gguf == st_text - gguf_text
+
+
+def test_offload_block_stages_a_text_layer_at_its_quantized_size(setup):
+    """The ring's staging for the text encoder's layers: two slots of its largest decoder layer, Q8_0 weights
+    at 34 bytes per 32 values, norms as bf16 values, each tensor on 256-byte boundaries."""
+    from lingbot_core.memory.block_streaming import ring_staging_bytes
+
+    dit = setup["root"] / "dit.gguf"
+    if not dit.is_file():
+        ff.write_dit_gguf(dit, seed=1)
+    dit_only = ring_staging_bytes(None, "transformer", torch.bfloat16, str(dit))
+    both = ring_staging_bytes(None, "transformer", torch.bfloat16, str(dit), text_encoder_dtype=torch.bfloat16,
+                              text_encoder_file=str(setup["q8"]))
+    layers = {}
+    for k, v in setup["q8_held"].items():
+        if ".layers." in k:
+            n = v.numel() // 32 * 34 if v.ndim == 2 else 2 * v.numel()
+            layer = k.split(".layers.")[1].split(".")[0]
+            layers[layer] = layers.get(layer, 0) + -(-n // 256) * 256
+    assert both - dit_only == 2 * max(layers.values())
