@@ -62,10 +62,14 @@ def setup(tmp_path_factory):
 
     processor = load_processor(None)
     root, tiny = tmp_path_factory.mktemp("te_gguf"), ff.tiny_text_encoder(5)
+    from safetensors.torch import save_file
+
+    st = root / "qwen3vl_tiny.safetensors"  # what write_text_encoder_file writes, from the model already built
+    save_file(ff.comfy_text_encoder_state(tiny), str(st), metadata={"format": "pt"})
     q8 = root / "Qwen3-VL-tiny-Q8_0.gguf"  # shared by the tests that need any quantized file
     held = write_text_encoder_gguf(q8, tiny, "Q8_0", seed=4)
     return {"root": root, "processor": processor, "crop": template_crop_start(processor), "tiny": tiny,
-            "q8": q8, "q8_held": held}
+            "q8": q8, "q8_held": held, "safetensors": st}
 
 
 def _embeds(setup, model, image=None):
@@ -104,7 +108,7 @@ def _in_map(t: torch.Tensor, path) -> bool:
 
 def test_the_f32_gguf_gives_the_safetensors_files_prompt_embeddings(setup):
     root, tiny = setup["root"], setup["tiny"]
-    st = ff.write_text_encoder_file(root / "qwen3vl_tiny.safetensors", seed=5)
+    st = setup["safetensors"]
     path = root / "Qwen3-VL-tiny-F32.gguf"
     write_text_encoder_gguf(path, tiny, "F32")
     reference = load_text_encoder_file(st, torch.float32, config=ff.TINY_TEXT_CONFIG)
@@ -213,19 +217,24 @@ def test_an_image_prompt_without_a_usable_mmproj_names_the_file_to_add(setup):
         encode_text(te, setup["processor"], "a cat", _image(), torch.device("cpu"), setup["crop"])
 
 
+@pytest.fixture(scope="module")
+def vision(setup):
+    """A tiny Qwen3-VL of VISION_TEXT_CONFIG and its F32 text GGUF, for the three mmproj types."""
+    model = _model(VISION_TEXT_CONFIG, 7)
+    text = setup["root"] / "Qwen3-VL-tiny-vision-F32.gguf"
+    write_text_encoder_gguf(text, model, "F32")
+    return model, text
+
+
 @pytest.mark.parametrize("vision_type", ["F32", "F16", "Q8_0"])
-def test_an_mmproj_beside_the_text_gguf_serves_image_prompts(setup, vision_type):
+def test_an_mmproj_beside_the_text_gguf_serves_image_prompts(setup, vision, vision_type):
     """TI2V: the mmproj's vision tower gives the image-prompt embeddings of the model holding its values
     (F32: the model's own, exactly); its Linear weights stay mapped bytes."""
-    if "vision_model" not in setup:  # built once, for the three types
-        setup["vision_model"] = model = _model(VISION_TEXT_CONFIG, 7)
-        setup["vision_text"] = setup["root"] / "Qwen3-VL-tiny-vision-F32.gguf"
-        write_text_encoder_gguf(setup["vision_text"], model, "F32")
-    model = setup["vision_model"]
+    model, shared_text = vision
     folder = setup["root"] / f"vision-{vision_type}"
     folder.mkdir()
     text = folder / "Qwen3-VL-tiny-F32.gguf"
-    text.symlink_to(setup["vision_text"])
+    text.symlink_to(shared_text)
     proj = folder / f"mmproj-Qwen3-VL-tiny-{vision_type}.gguf"
     held = write_mmproj_gguf(proj, model, vision_type, seed=2)
     want = [encode_text(_oracle(model, held, VISION_TEXT_CONFIG), setup["processor"], p, _image(),
@@ -262,7 +271,7 @@ def test_the_memory_budget_counts_quantized_weights_at_their_block_size(setup):
     vae = ff.write_wan21_vae_file(setup["root"] / "vae.safetensors")
     dtypes = {"transformer": torch.bfloat16, "text_encoder": torch.bfloat16, "vae": torch.float32}
     with_st = package_bytes(None, "transformer", dtypes, {"transformer": str(dit), "vae": str(vae),
-                                                          "text_encoder": str(ff.write_text_encoder_file(setup["root"] / "b.safetensors", seed=5))})
+                                                          "text_encoder": str(setup["safetensors"])})
     with_gguf = package_bytes(None, "transformer", dtypes, {"transformer": str(dit), "vae": str(vae), "text_encoder": str(path)})
     # independent count: Q8_0 keeps 34 bytes per 32 values of the 2-D text weights; norms 2 bytes a value
     # (bf16); the safetensors file's vision tower (absent from the GGUF) and its bf16 values
