@@ -297,7 +297,8 @@ def load_pipeline(model_dir=None, *, transformer_subfolder: str = "transformer",
     a single file as ComfyUI users have them (see :mod:`lingbot_core.model.dit_files` and
     :mod:`lingbot_core.model.component_files`): a GGUF or safetensors DiT (loaded as the ``transformer_subfolder``
     role; the package's own ``config.json`` wins over the config its shapes imply), the Qwen3-VL-4B text
-    encoder file, the Wan 2.1 VAE file. With all three files ``model_dir`` may be None: the processor
+    encoder file (safetensors, or llama.cpp's text GGUF with an optional ``mmproj*.gguf`` beside it: see
+    :mod:`lingbot_core.model.text_encoder_gguf`), the Wan 2.1 VAE file. With all three files ``model_dir`` may be None: the processor
     (tokenizer) and the Qwen3-VL-4B config ship with the pack, the scheduler takes the release's defaults
     and the DiT's config comes from its shapes. A package's own ``processor/``, ``text_encoder/config.json``
     and ``vae/config.json`` win when ``model_dir`` is given. ``text_encoder_config`` (a ``Qwen3VLConfig``

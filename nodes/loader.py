@@ -193,8 +193,8 @@ class LoadLingbotPipelineFiles(LoadLingbotPipeline):
     DESCRIPTION = (
         "Like Load LingBot-Video Pipeline, with the components taken from single files in ComfyUI's model "
         "folders: a GGUF (Q3_K..Q8_0, realrebelai or stable-diffusion.cpp layout) or safetensors DiT from "
-        "models/diffusion_models or models/unet, the Qwen3-VL-4B text encoder from models/text_encoders or "
-        "models/clip, the Wan 2.1 VAE from models/vae. With 'model' set to '(none: the three files)' these three "
+        "models/diffusion_models or models/unet, the Qwen3-VL-4B text encoder (safetensors, or llama.cpp's text "
+        "GGUF with its mmproj beside it for image prompts) from models/text_encoders or models/clip, the Wan 2.1 VAE from models/vae. With 'model' set to '(none: the three files)' these three "
         "files are the whole pipeline (the Qwen3-VL tokenizer and configs ship with the pack); a package folder "
         "as 'model' provides any component left '(from the package)'. GGUF weights stay memory-mapped and are "
         "dequantized layer by layer on the GPU: with offload 'block' a Q4_K_M MoE streams about 17 GB per step "
@@ -208,7 +208,7 @@ class LoadLingbotPipelineFiles(LoadLingbotPipeline):
         required["model"] = (files_package_choices(), {"default": NO_PACKAGE, "tooltip": "'(none: the three files)': the DiT, text encoder and VAE files below are the whole pipeline. Or a package folder (models/diffusers or models/lingbot_video) that provides the components left '(from the package)' (and its own processor and configs)."})
         files = {
             "dit_file": (component_file_choices("transformer"), {"default": FROM_PACKAGE, "tooltip": "A LingBot-Video DiT file (.gguf or .safetensors) in models/diffusion_models or models/unet; it takes the role chosen in 'transformer'."}),
-            "text_encoder_file": (component_file_choices("text_encoder"), {"default": FROM_PACKAGE, "tooltip": "The Qwen3-VL-4B text encoder as one .safetensors file (models/text_encoders or models/clip)."}),
+            "text_encoder_file": (component_file_choices("text_encoder"), {"default": FROM_PACKAGE, "tooltip": "The Qwen3-VL-4B text encoder as one file in models/text_encoders or models/clip: .safetensors (e.g. qwen3vl_4b_bf16), or llama.cpp's text GGUF (e.g. Qwen3-VL-4B-Instruct-Q8_0.gguf, its weights stay quantized; for image prompts put its mmproj-*.gguf in the same folder)."}),
             "vae_file": (component_file_choices("vae"), {"default": FROM_PACKAGE, "tooltip": "The Wan 2.1 VAE as one .safetensors file (models/vae), e.g. wan_2.1_vae.safetensors."}),
         }
         order = ["model", "dit_file", "text_encoder_file", "vae_file"]

@@ -13,6 +13,7 @@ from typing import Dict, List
 import folder_paths
 
 from ..lingbot_core.files.checkpoint_files import is_safetensors
+from ..lingbot_core.model.text_encoder_gguf import is_mmproj
 
 FOLDER_KEY = "lingbot_video"
 MAX_DEPTH = 3  # how deep below a models folder a package may sit (e.g. "org/name")
@@ -136,7 +137,7 @@ def resolve_lora(name: str) -> str:
 # Component -> (ComfyUI folder keys searched in order, accepted suffixes).
 COMPONENT_FOLDERS = {
     "transformer": (("diffusion_models", "unet"), (".gguf", ".safetensors")),
-    "text_encoder": (("text_encoders", "clip"), (".safetensors",)),
+    "text_encoder": (("text_encoders", "clip"), (".safetensors", ".gguf")),  # GGUF: llama.cpp's text model
     "vae": (("vae",), (".safetensors",)),
 }
 FROM_PACKAGE = "(from the package)"
@@ -151,7 +152,9 @@ def list_component_files(component: str) -> Dict[str, str]:
     found: Dict[str, str] = {}
 
     def visit(sub: str, path: str, is_dir: bool) -> bool:
-        if not is_dir and sub.lower().endswith(suffixes):
+        # llama.cpp's mmproj-*.gguf beside a text GGUF is a vision projector, not a text encoder of its own
+        skip = component == "text_encoder" and is_mmproj(path)
+        if not is_dir and sub.lower().endswith(suffixes) and not skip:
             found.setdefault(sub, path)
         return is_dir
 

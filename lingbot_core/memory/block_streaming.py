@@ -663,7 +663,13 @@ def ring_staging_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype
     if text_encoder_dtype is not None:
         paths = ([Path(text_encoder_file)] if text_encoder_file
                  else safetensors_files(root / "text_encoder", "text_encoder", "model"))
-        total += RING_SLOTS * _largest_block([loaded_tensor_bytes(p, text_encoder_dtype) for p in paths], _TEXT_LAYER)
+        if text_encoder_file and Path(text_encoder_file).suffix.lower() == ".gguf":
+            from ..model.text_encoder_gguf import loaded_bytes as gguf_text_bytes
+
+            tables = [gguf_text_bytes(text_encoder_file, text_encoder_dtype)]  # layers stream their quantized bytes
+        else:
+            tables = [loaded_tensor_bytes(p, text_encoder_dtype) for p in paths]
+        total += RING_SLOTS * _largest_block(tables, _TEXT_LAYER)
     return total
 
 

@@ -174,6 +174,11 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
             dit = DitFile(single)
             total += sum(loaded_bytes(dit, dtype, transformer_config(root, sub, single, dit)).values())
             continue
+        if single and comp == "text_encoder" and Path(single).suffix.lower() == ".gguf":
+            from ..model.text_encoder_gguf import loaded_bytes as gguf_text_bytes
+
+            total += sum(gguf_text_bytes(single, dtype).values())  # quantized weights at their mapped size
+            continue
         for path in [Path(single)] if single else safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)
     return total

@@ -7,7 +7,8 @@
 - Text encoder (``models/text_encoders``): Qwen3-VL-4B in one safetensors file, under HF names
   (``model.language_model.layers.0...``, ``model.visual...``) or ComfyUI's internal names
   (``model.layers.0...``, ``visual...``); ``lm_head`` absent (tied to the embeddings); fp8_scaled files'
-  weights are multiplied by their ComfyUI scales (``scale_weight`` / ``weight_scale``) on load. The
+  weights are multiplied by their ComfyUI scales (``scale_weight`` / ``weight_scale``) on load; or
+  llama.cpp's text-model GGUF (:mod:`lingbot_core.model.text_encoder_gguf`, T2V only). The
   Qwen3-VL config comes from the package's ``text_encoder/config.json`` when there is one, else the
   Qwen3-VL-4B config the pack ships (``data/qwen3vl/config.json``, from the official release).
 - Processor: the Qwen3-VL tokenizer (Qwen2.5's byte-level BPE plus Qwen3-VL's added tokens) and image
@@ -170,7 +171,8 @@ def text_encoder_config(config_folder: Optional[Path] = None, path=None):
 
 
 def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Optional[Path] = None, config=None):
-    """Qwen3-VL from one file. Its config: ``config`` (a ``Qwen3VLConfig`` or its dict) when given, else
+    """Qwen3-VL from one file (safetensors, or a llama.cpp text-model GGUF). Its config: ``config`` (a
+    ``Qwen3VLConfig`` or its dict) when given, else
     :func:`text_encoder_config` (beside the file, the package's, else the shipped 4B). The file's shapes
     must match it."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
@@ -179,6 +181,10 @@ def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Optional[Pat
         config = text_encoder_config(config_folder, path)
     elif isinstance(config, dict):
         config = Qwen3VLConfig(**config)
+    if Path(path).suffix.lower() == ".gguf":  # llama.cpp's text model (see text_encoder_gguf)
+        from .text_encoder_gguf import load_text_encoder_gguf
+
+        return load_text_encoder_gguf(path, dtype, config)
     state = text_encoder_state(path, dtype, config.text_config)
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in Qwen3VLForConditionalGeneration(config).state_dict().items()}

@@ -107,6 +107,19 @@ def write_text_encoder_file(path, seed: int = 0, dtype: torch.dtype = torch.floa
     return path
 
 
+def write_text_encoder_gguf_file(path, seed: int = 0, qtype: str = "Q8_0", sidecar: bool = True) -> Dict[str, torch.Tensor]:
+    """The tiny text encoder's text model as llama.cpp's GGUF (``qtype``), with its config beside it
+    (``<stem>.json``) unless ``sidecar`` is off; returns the fp32 values it holds (HF names)."""
+    from .gguf_fixtures import write_text_encoder_gguf
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    held = write_text_encoder_gguf(path, tiny_text_encoder(seed), qtype, seed=seed)
+    if sidecar:
+        path.with_suffix(".json").write_text(json.dumps(TINY_TEXT_CONFIG, indent=2) + "\n", encoding="utf-8")
+    return held
+
+
 def write_wan21_vae_file(path, seed: int = 0) -> Path:
     """The released Wan 2.1 VAE architecture at base width 4 (:func:`fixtures.tiny_wan21_vae`) under the
     original Wan names, as Comfy-Org's ``wan_2.1_vae.safetensors`` (fp32, about 1 MB)."""

@@ -229,3 +229,116 @@ def write_random_gguf_dit(path, config: dict, qtype_name: str, *, layout: str = 
     writer.write_tensors_to_file()
     writer.close()
     return Path(path).stat().st_size
+
+
+# -- the Qwen3-VL text encoder in llama.cpp's layout ---------------------------------------------------
+
+
+def write_text_encoder_gguf(path, model, qtype_name: str, *, seed: int = 0, embed: Optional[str] = None,
+                            arch: str = "qwen3vl", drop: tuple = ()) -> Dict[str, torch.Tensor]:
+    """The text model of the Qwen3-VL ``model`` as llama.cpp writes it (architecture ``arch``, tensors
+    named by gguf-py's own ``TensorNameMap``, the vision tower left out as it goes to the mmproj file);
+    return the fp32 values the file holds under HF names (gguf-py's ``quants.dequantize`` of the bytes).
+
+    ``qtype_name`` is the type of the decoder layers' 2-D weights (``F32`` keeps everything float), or
+    F32 where a row is not whole blocks (as llama.cpp falls back); ``embed`` the token embedding's type
+    (default: ``qtype_name``); norms are F32. K-quants are valid random blocks of the weight's amplitude
+    (gguf-py has no K-quant quantizer). ``drop`` leaves those HF names out (an incomplete file).
+    """
+    import gguf
+
+    text = model.config.text_config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3VL, text.num_hidden_layers)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(text.num_hidden_layers)
+    writer.add_embedding_length(text.hidden_size)
+    held: Dict[str, torch.Tensor] = {}
+    for hf, tensor in model.state_dict().items():
+        if not hf.startswith("model.language_model.") or hf in drop:
+            continue
+        short = "model." + hf[len("model.language_model."):]  # the names llama.cpp's converter maps
+        key = names.get_name(short, try_suffixes=(".weight", ".bias"))
+        values = tensor.detach().float().numpy()
+        kind = (embed or qtype_name) if key.startswith("token_embd") else qtype_name
+        if values.ndim == 2 and kind not in ("F32", "F16", "BF16"):
+            block, _ = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[kind]]
+            if values.shape[-1] % block == 0:
+                qtype = gguf.GGMLQuantizationType[kind]
+                raw = encode(values, kind, rng)
+                held[hf] = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(values.shape).copy())
+                writer.add_tensor(key, raw, raw_dtype=qtype)
+                continue
+        if values.ndim == 2 and kind == "F16":
+            arr = values.astype(np.float16)
+            held[hf] = torch.from_numpy(arr.astype(np.float32))
+            writer.add_tensor(key, arr)
+            continue
+        held[hf] = torch.from_numpy(values.copy())
+        writer.add_tensor(key, values.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held
+
+
+def write_mmproj_gguf(path, model, qtype_name: str = "F16", *, seed: int = 0) -> Dict[str, torch.Tensor]:
+    """The vision tower of the Qwen3-VL ``model`` as llama.cpp's mmproj file (architecture ``clip``,
+    projector ``qwen3vl_merger``): blocks named by gguf-py's ``TensorNameMap``, and as llama.cpp's converter
+    writes the rest (docs: the Conv3d patch kernel split along time into ``v.patch_embd.weight`` and
+    ``.weight.1``, the merger as ``v.post_ln``/``mm.0``/``mm.2``, deepstack mergers as
+    ``v.deepstack.<vision layer>.{norm,fc1,fc2}``). 2-D Linear weights in ``qtype_name`` (F16 or a block
+    type), the rest F32. Returns the fp32 values held, under HF names."""
+    import gguf
+
+    vision = model.config.vision_config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, vision.depth)
+    indexes = list(vision.deepstack_visual_indexes)
+    rng = np.random.default_rng(seed)
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_clip_projector_type("qwen3vl_merger")
+    held: Dict[str, torch.Tensor] = {}
+    merger = {"norm": "v.post_ln", "linear_fc1": "mm.0", "linear_fc2": "mm.2"}
+    deepstack = {"norm": "norm", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+
+    def add(key, values, linear):
+        if linear and qtype_name == "F16":
+            arr = values.astype(np.float16)
+            writer.add_tensor(key, arr)
+            return torch.from_numpy(arr.astype(np.float32))
+        if linear and qtype_name != "F32":
+            qtype = gguf.GGMLQuantizationType[qtype_name]
+            raw = encode(values, qtype_name, rng)
+            writer.add_tensor(key, raw, raw_dtype=qtype)
+            return torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(values.shape).copy())
+        writer.add_tensor(key, values.astype(np.float32))
+        return torch.from_numpy(values.astype(np.float32).copy())
+
+    for hf, tensor in model.state_dict().items():
+        if not hf.startswith("model.visual."):
+            continue
+        inner = hf[len("model.visual."):]
+        owner, _, leaf = inner.rpartition(".")
+        values = tensor.detach().float().numpy()
+        if inner == "patch_embed.proj.weight":
+            a = add("v.patch_embd.weight", np.ascontiguousarray(values[:, :, 0]), False)
+            b = add("v.patch_embd.weight.1", np.ascontiguousarray(values[:, :, 1]), False)
+            held[hf] = torch.stack([a, b], dim=2)
+            continue
+        if inner == "patch_embed.proj.bias":
+            key = "v.patch_embd.bias"
+        elif owner.startswith("merger."):
+            key = f"{merger[owner[len('merger.'):]]}.{leaf}"
+        elif owner.startswith("deepstack_merger_list."):
+            i, part = owner[len("deepstack_merger_list."):].split(".", 1)
+            key = f"v.deepstack.{indexes[int(i)]}.{deepstack[part]}.{leaf}"
+        else:
+            key = names.get_name("visual." + inner, try_suffixes=(".weight", ".bias"))
+        linear = values.ndim == 2 and leaf == "weight" and "pos_embed" not in inner
+        held[hf] = add(key, values, linear)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return held

@@ -1,5 +1,5 @@
 """'Load LingBot-Video Pipeline (files)' and the GGUF four-step example in the real headless ComfyUI: a tiny
-MoE GGUF in models/diffusion_models, a tiny LoRA, offload block."""
+MoE GGUF in models/diffusion_models, llama.cpp's text GGUF in models/text_encoders, a tiny LoRA, offload block."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ TINY_GGUF = "lingbot-tiny-moe-Q8_0.gguf"
 FILES_GGUF = "lingbot-tiny-files-moe-Q8_0.gguf"  # an MoE its shapes describe (128 experts, head size 128)
 FILES_LORA = "lingbot_tiny_files_4steps.safetensors"
 EXAMPLE = "lingbot_moe_gguf_4step_lora"
+TEXT_GGUF = "Qwen3-VL-4B-Instruct-Q8_0.gguf"  # llama.cpp's text model (tiny, its config beside it)
+MMPROJ = "mmproj-Qwen3-VL-4B-Instruct-F16.gguf"  # its vision projector: not a text encoder of its own
 
 
 def files_moe_lora(path):
@@ -51,6 +53,11 @@ def server(comfy_server, packages):
 
     write_comfy_files(comfy_server.models_dir, moe=True, seed=1, dit_name=FILES_GGUF)
     files_moe_lora(loras / FILES_LORA)
+    from lingbot_core.testing.file_fixtures import write_text_encoder_gguf_file
+
+    text = comfy_server.models_dir / "text_encoders"
+    write_text_encoder_gguf_file(text / TEXT_GGUF, seed=1)
+    (text / MMPROJ).write_bytes(b"GGUF")
     return comfy_server
 
 
@@ -60,6 +67,8 @@ def test_files_loader_lists_component_files_and_runs_the_gguf_example(server):
     assert node["display_name"] == "Load LingBot-Video Pipeline (files)" and node["output"] == ["LINGBOT_PIPE"]
     dit_files = node["input"]["required"]["dit_file"][0]
     assert TINY_GGUF in dit_files and "other.ckpt" not in dit_files and dit_files[0] == "(from the package)"
+    text_files = node["input"]["required"]["text_encoder_file"][0]
+    assert TEXT_GGUF in text_files and MMPROJ not in text_files and TEXT_GGUF not in dit_files
     for key in ("offload", "dit_precision", "text_encoder_precision", "vae_precision", "transformer"):
         assert node["input"]["required"][key] == info["LoadLingbotPipeline"]["input"]["required"][key] or key == "model"
 
@@ -69,7 +78,8 @@ def test_files_loader_lists_component_files_and_runs_the_gguf_example(server):
     (gid,) = nodes_of(api, "GenerateVideo")
     g = api[gid]["inputs"]
     assert (g["steps"], g["guidance_scale"], g["shift"]) == (4, 1.0, 3.0)
-    patch_nodes(api, "LoadLingbotPipelineFiles", model=MOE, dit_file=TINY_GGUF, text_encoder_file="(from the package)",
+    # the text encoder from llama.cpp's Q8_0 text GGUF (offload block: its layers stream their block bytes)
+    patch_nodes(api, "LoadLingbotPipelineFiles", model=MOE, dit_file=TINY_GGUF, text_encoder_file=TEXT_GGUF,
                 vae_file="(from the package)")
     run_tiny_four_step_example(server, api, EXAMPLE)
 
