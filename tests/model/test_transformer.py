@@ -12,7 +12,7 @@ from lingbot_core.model.transformer import (
     LingBotVideoTransformer3DModel, MoEFeedForward, SwiGLU, TransformerBlock, apply_rope, is_fp32_island, patchify,
     rope_frequencies, rope_position_ids, route_tokens, timestep_projection, unpatchify,
 )
-from lingbot_core.model import transformer
+from lingbot_core.model import rowwise
 from support.live_bytes import LiveBytes
 
 MOE_FULL = dict(
@@ -606,7 +606,7 @@ def test_apply_rope_live_bytes_are_bounded_and_bits_kept(dtype, monkeypatch):
     """At S = 8192 one rotation holds at most 3 units of (B, S, heads, head_dim/2) fp32 alive, its result
     included (the plain expression: 6), and gives the plain expression's bits (in two chunks here: 1 MiB
     chunks of 256-byte pair rows)."""
-    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1 << 20)
+    monkeypatch.setattr(rowwise, "CHUNK_BYTES", 1 << 20)
     g = torch.Generator().manual_seed(4)
     pos = rope_position_ids((8, 32, 32), 0)
     freqs = rope_frequencies(pos, [16, 24, 24], 256.0)
@@ -693,10 +693,10 @@ def test_norm_and_modulation_hold_one_chunk_of_fp32_and_keep_the_bits(monkeypatc
     (eight 1,024-token chunks) each holds its bf16 result plus at most three of one chunk's fp32
     temporaries (U = the bf16 input: 1.75 U), where the whole expressions hold 4-5 U, with the plain
     expressions' bits."""
-    from lingbot_core.model.transformer import RMSNorm, gated_residual, modulated_norm
+    from lingbot_core.model.rowwise import RMSNorm, gated_residual, modulated_norm
 
     seq, dim = 8192, 256
-    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1024 * dim * 4)
+    monkeypatch.setattr(rowwise, "CHUNK_BYTES", 1024 * dim * 4)
     g = torch.Generator().manual_seed(6)
     norm = RMSNorm(dim)
     with torch.no_grad():
@@ -704,7 +704,7 @@ def test_norm_and_modulation_hold_one_chunk_of_fp32_and_keep_the_bits(monkeypatc
     x = (torch.randn(1, seq, dim, generator=g) * 2).to(torch.bfloat16)
     y = (torch.randn(1, seq, dim, generator=g) * 2).to(torch.bfloat16)
     scale, shift, gate = (torch.randn(1, 1, dim, generator=g) for _ in range(3))
-    unit, chunk = x.nbytes, transformer.CHUNK_BYTES
+    unit, chunk = x.nbytes, rowwise.CHUNK_BYTES
     cases = {
         "rmsnorm": (lambda: norm(x), lambda: _norm_plain(norm, x)),
         "modulation": (lambda: modulated_norm(norm, x, scale, shift, torch.bfloat16),
@@ -734,7 +734,7 @@ def test_block_compute_by_chunks_keeps_the_bits_and_lowers_the_peak(monkeypatch)
     temb6 = torch.randn(1, 6 * dim, generator=g) * 0.5
     with torch.no_grad(), LiveBytes() as whole:
         want = _block_plain(block, x, temb6, freqs, torch.bfloat16)
-    monkeypatch.setattr(transformer, "CHUNK_BYTES", 1024 * dim * 4)
+    monkeypatch.setattr(rowwise, "CHUNK_BYTES", 1024 * dim * 4)
     with torch.no_grad(), LiveBytes() as live:
         got = block(x, temb6, freqs, torch.bfloat16)
     assert torch.equal(got, want)
