@@ -74,6 +74,15 @@ def child(package: str, pinned_gb: str) -> dict:
         out["generate_s"] = round(time.perf_counter() - t0, 2)
     out["after_generate"] = _status()
     out["pin_stats"] = {k: round(v, 3) if isinstance(v, float) else v for k, v in pipe.offloader.pin_stats.items()}
+    # what the stage pinned, staged and copied: read before the switch replaces the streamers
+    out["pinned_mib"] = pipe.pinned_bytes() // MIB
+    out["homes_pinned_mib"] = sum(u.pinned.nbytes for s in streamers for u in s.units() if u.pinned is not None) // MIB
+    out["staging_mib"] = sum(h.pinned.nbytes for s in streamers for h in s.ring.host_slots) // MIB
+    out["rings"] = [{"model": name,
+                     "host_copy_s": round(s.ring.stats["host_copy_s"] - b["host_copy_s"], 4),
+                     "bytes_mib": (s.ring.stats["bytes"] - b["bytes"]) // MIB,
+                     "copies": s.ring.stats["copies"] - b["copies"]}
+                    for name, s, b in zip(("transformer", "text_encoder"), streamers, before)]
     with recording_transfers():  # an offload switch on unchanged weights: the pinned homes are taken back
         pipe.set_offload("model")
         pipe.set_offload("block", device=FAKE)
@@ -83,15 +92,6 @@ def child(package: str, pinned_gb: str) -> dict:
         out["after_switch_stage_s"] = round(time.perf_counter() - t0, 3)
     out["after_switch_pin_stats"] = {k: round(v, 3) if isinstance(v, float) else v
                                      for k, v in pipe.offloader.pin_stats.items()}
-    streamers = pipe.offloader.streamers()
-    out["pinned_mib"] = pipe.pinned_bytes() // MIB
-    out["homes_pinned_mib"] = sum(u.pinned.nbytes for s in streamers for u in s.units() if u.pinned is not None) // MIB
-    out["staging_mib"] = sum(h.pinned.nbytes for s in streamers for h in s.ring.host_slots) // MIB
-    out["rings"] = [{"model": name,
-                     "host_copy_s": round(s.ring.stats["host_copy_s"] - b["host_copy_s"], 4),
-                     "bytes_mib": (s.ring.stats["bytes"] - b["bytes"]) // MIB,
-                     "copies": s.ring.stats["copies"] - b["copies"]}
-                    for name, s, b in zip(("transformer", "text_encoder"), streamers, before)]
     pipe.release()
     return out
 
