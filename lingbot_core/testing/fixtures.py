@@ -158,6 +158,11 @@ def tiny_text_encoder(tokenizer: Optional[Qwen2Tokenizer] = None, seed: int = 0)
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
         tie_word_embeddings=True,
     )
+    return text_encoder_from_config(cfg, seed)
+
+
+def text_encoder_from_config(cfg, seed: int = 0) -> Qwen3VLForConditionalGeneration:
+    """A Qwen3-VL model of config ``cfg`` with SDPA attention and the fixtures' random weights of ``seed``."""
     cfg._attn_implementation = "sdpa"
     # Construction draws from the global RNG; fork it so callers' RNG streams are untouched.
     with torch.random.fork_rng(devices=[]):

@@ -127,11 +127,29 @@ def _gguf_moe_block(kind="Q8_0", seed=0, linears=False):
     return block
 
 
+def _dequantizations(block, xs, temb6, freqs):
+    """``block`` run on two CFG branches in lockstep, then branch by branch: (lockstep outputs, the raw
+    tensors (data pointers) dequantized in the lockstep call, the one-by-one outputs, those dequantized then)."""
+    from unittest import mock
+
+    calls = []
+    orig = gguf_weights.dequantize
+
+    def counting(raw, qtype, *a, **k):
+        calls.append(raw.data_ptr())
+        return orig(raw, qtype, *a, **k)
+
+    with torch.no_grad(), mock.patch.object(gguf_weights, "dequantize", counting):
+        both = block(xs, temb6, [freqs, freqs], torch.bfloat16)
+        lockstep = list(calls)
+        calls.clear()
+        alone = [block(x, temb6, freqs, torch.bfloat16) for x in xs]
+    return both, lockstep, alone, calls
+
+
 def test_a_lockstep_block_call_dequantizes_each_stack_once_for_both_branches():
     """The two CFG branches of one block call (lockstep) share the dequantized expert stacks: one
     dequantization per stack per block call, dropped after it, and the same numbers as branch by branch."""
-    from unittest import mock
-
     from lingbot_core.model.transformer import rope_frequencies, rope_position_ids
 
     block = _gguf_moe_block()
@@ -140,19 +158,7 @@ def test_a_lockstep_block_call_dequantizes_each_stack_once_for_both_branches():
     freqs = rope_frequencies(rope_position_ids(grid, text_len), (8, 12, 12), 256.0)
     xs = [torch.randn(1, 6 + text_len, 64, generator=g) for _ in range(2)]
     temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
-    stacks = []
-    orig = gguf_weights.dequantize
-
-    def counting(raw, qtype, *a, **k):
-        if raw.dim() == 3:  # an expert stack (experts, rows, row bytes)
-            stacks.append(raw.data_ptr())
-        return orig(raw, qtype, *a, **k)
-
-    with torch.no_grad(), mock.patch.object(gguf_weights, "dequantize", counting):
-        both = block(xs, temb6, [freqs, freqs], torch.bfloat16)
-        per_call = list(stacks)
-        stacks.clear()
-        alone = [block(x, temb6, freqs, torch.bfloat16) for x in xs]
+    both, per_call, alone, stacks = _dequantizations(block, xs, temb6, freqs)  # only the stacks are quantized
     experts = block.ffn.experts
     assert sorted(per_call) == sorted(t.data_ptr() for t in (experts.w1, experts.w2, experts.w3))  # one each
     assert len(stacks) == 6  # branch by branch: three per call
@@ -166,8 +172,6 @@ def test_a_lockstep_block_call_dequantizes_every_quantized_tensor_once():
     shared expert), a lockstep block call dequantizes each of the block's GGUF tensors once for both CFG
     branches (before: each Linear weight twice, 7 of the 10 here), drops them after, and gives the numbers
     of the branches run one by one."""
-    from unittest import mock
-
     from lingbot_core.model.transformer import Linear, rope_frequencies, rope_position_ids
 
     block = _gguf_moe_block(linears=True)
@@ -179,18 +183,7 @@ def test_a_lockstep_block_call_dequantizes_every_quantized_tensor_once():
     freqs = rope_frequencies(rope_position_ids((1, 2, 3), 4), (8, 12, 12), 256.0)
     xs = [torch.randn(1, 10, 64, generator=g).to(torch.bfloat16) for _ in range(2)]
     temb6 = torch.randn(1, 6 * 64, generator=g) * 0.5
-    calls = []
-    orig = gguf_weights.dequantize
-
-    def counting(raw, qtype, *a, **k):
-        calls.append(raw.data_ptr())
-        return orig(raw, qtype, *a, **k)
-
-    with torch.no_grad(), mock.patch.object(gguf_weights, "dequantize", counting):
-        both = block(xs, temb6, [freqs, freqs], torch.bfloat16)
-        lockstep = list(calls)
-        calls.clear()
-        alone = [block(x, temb6, freqs, torch.bfloat16) for x in xs]
+    both, lockstep, alone, calls = _dequantizations(block, xs, temb6, freqs)
     assert sorted(lockstep) == sorted(quantized)  # each once
     assert sorted(calls) == sorted(2 * list(quantized))  # branch by branch: each once per call
     assert all(m._held is None for m in linears) and experts._held is None

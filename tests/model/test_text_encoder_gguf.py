@@ -43,17 +43,9 @@ def _config(raw):
 
 
 def _model(raw, seed):
-    from transformers import Qwen3VLForConditionalGeneration
+    from lingbot_core.testing.fixtures import text_encoder_from_config
 
-    from lingbot_core.testing.fixtures import _fill_
-
-    cfg = _config(raw)
-    cfg._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(cfg).eval()
-    _fill_(model, torch.Generator().manual_seed(seed))
-    return model
+    return text_encoder_from_config(_config(raw), seed)
 
 
 @pytest.fixture(scope="module")
