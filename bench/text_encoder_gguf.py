@@ -4,6 +4,8 @@ prompt-encode time, and the full-size figures computed from the shipped Qwen3-VL
 
     flock /tmp/lingbot-heavy.lock .venv/bin/python -m bench.text_encoder_gguf --json te-gguf.json [--layers 2]
         [--device cuda --offload block]   (on a GPU: the same, plus the GPU peak per encoder)
+    flock /tmp/lingbot-heavy.lock .venv/bin/python -m bench.text_encoder_gguf --server --json te-gguf-server.json
+        (the same files in a real headless ComfyUI server, a fresh one per encoder: see ``run_server``)
 
 The measured encoders have the released widths (hidden 2560, 32/8 heads of 128, MLP 9728, the full
 151,936-row vocabulary) but ``--layers`` of the 36 decoder layers (default 2), random weights: the bf16
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -149,6 +152,67 @@ def child(te: str, dit: str, vae: str, repeat: int, device: str = "cpu", offload
             "before": before, "loaded": loaded, "encoded": encoded}
 
 
+NO_PACKAGE = "(none: the three files)"  # the files loader's 'model' choice: the three files are the pipeline
+ROLES = {"1": "load", "2": "generate", "3": "save"}
+
+
+def files_graph(dit_file: str, te_file: str, vae_file: str, size=(64, 64, 5), steps: int = 1,
+                prompt: str = PROMPTS[0], seed: int = 7) -> dict:
+    """'Load LingBot-Video Pipeline (files)' with the three files -> GenerateVideo -> SaveImage (ids as ``ROLES``)."""
+    width, height, frames = size
+    return {
+        "1": {"class_type": "LoadLingbotPipelineFiles", "inputs": {
+            "model": NO_PACKAGE, "dit_file": dit_file, "text_encoder_file": te_file, "vae_file": vae_file,
+            "transformer": "transformer", "offload": "none", "dit_precision": "bf16",
+            "text_encoder_precision": "bf16", "vae_precision": "fp32"}},
+        "2": {"class_type": "GenerateVideo", "inputs": {
+            "pipe": ["1", 0], "prompt": prompt, "negative_prompt": "", "width": width, "height": height,
+            "num_frames": frames, "steps": steps, "guidance_scale": 1.0, "shift": 3.0, "seed": seed}},
+        "3": {"class_type": "SaveImage", "inputs": {"images": ["2", 0], "filename_prefix": "bench_te_gguf"}},
+    }
+
+
+def _generate_seconds(entry: dict) -> float | None:
+    """Seconds between ComfyUI's ``executing`` events for GenerateVideo and the node after it (ws times)."""
+    marks = {str(e["data"].get("node")): e["t"] for e in entry.get("ws_events") or []
+             if e.get("type") == "executing" and isinstance(e.get("data"), dict)}
+    return marks["3"] - marks["2"] if "2" in marks and "3" in marks else None
+
+
+def run_server(paths: dict, size, steps: int) -> dict:
+    """Per encoder a fresh ComfyUI server (``tests/support/comfy_host.py``) with the three files hard-linked
+    into its model folders (the same page cache as the written files) runs :func:`files_graph` once cold;
+    its RSS row comes from ``bench.server_rss.measure_prompt``. The server logs no encode time and the
+    generate stage holds load, encode, denoise and decode, so the encode is taken as a difference of two
+    warm reruns' generate stages: a new prompt (encode + denoise + decode) minus a new seed with the same
+    prompt (the pipeline's prompt cache hits: denoise + decode)."""
+    sys.path[:0] = [str(REPO), str(REPO / "tests")]
+    from support.comfy_host import ComfyServer
+
+    from bench.server_rss import measure_prompt
+
+    rows = {}
+    for variant in VARIANTS:
+        te = paths["files"][variant]
+        with ComfyServer(startup_timeout=300) as server:
+            links = {te: "text_encoders", te.with_suffix(".json"): "text_encoders",  # the config beside the file
+                     paths["dit"]: "diffusion_models", paths["vae"]: "vae"}
+            for path, folder in links.items():
+                (server.models_dir / folder).mkdir(parents=True, exist_ok=True)
+                os.link(path, server.models_dir / folder / path.name)
+            names = (paths["dit"].name, te.name, paths["vae"].name)
+            row = {"variant": variant, "file_mib": round(te.stat().st_size / MIB),
+                   **measure_prompt(server, files_graph(*names, size, steps), ROLES)}
+            new_prompt = server.run(files_graph(*names, size, steps, prompt=PROMPTS[1], seed=8), timeout=900)
+            same_prompt = server.run(files_graph(*names, size, steps, prompt=PROMPTS[1], seed=9), timeout=900)
+            a, b = _generate_seconds(new_prompt), _generate_seconds(same_prompt)
+            row["warm_generate_s"] = {"new_prompt": a, "same_prompt": b}
+            row["encode_s"] = None if a is None or b is None else round(a - b, 3)
+        print(json.dumps(row), flush=True)
+        rows[variant] = row
+    return rows
+
+
 def computed_full_size() -> dict:
     """Bytes each encoder keeps once loaded at the released 36 layers (bf16 compute), from the shipped config."""
     import torch
@@ -184,6 +248,10 @@ def main(argv=None):
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--device", default="cpu", help="cpu, or cuda (a GPU check: the same loads and encodes there)")
     p.add_argument("--offload", default="none", help="the pipeline's offload mode (none, model, sequential, block)")
+    p.add_argument("--server", action="store_true",
+                   help="the three encoders through the files loader in a real ComfyUI server, a fresh one each")
+    p.add_argument("--size", default="64x64x5", help="--server: width x height x frames")
+    p.add_argument("--steps", type=int, default=1, help="--server: denoise steps (guidance 1.0)")
     p.add_argument("--json")
     p.add_argument("--child", nargs=3, metavar=("TE", "DIT", "VAE"), help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -191,6 +259,21 @@ def main(argv=None):
         print(json.dumps(child(*a.child, a.repeat, a.device, a.offload)))
         return None
     paths = write_files(Path(a.work), a.layers)
+    if a.server:
+        rows = run_server(paths, tuple(int(v) for v in a.size.split("x")), a.steps)
+        result = {"layers": a.layers, "server": rows}
+        print(f"| text encoder ({a.layers} of 36 layers) | file | peak rise (VmHWM) | load stage (anon / file) "
+              "| generate stage (anon / file) | encode (warm difference) |")
+        print("|---|---|---|---|---|---|")
+        for variant, r in rows.items():
+            st = r["stages"]
+            cells = [f"+{st[k]['VmRSS']:,} MiB ({st[k]['RssAnon']:+,} / {st[k]['RssFile']:+,})" if k in st else "-"
+                     for k in ("load", "generate")]
+            enc = "-" if r["encode_s"] is None else f"{r['encode_s']:.2f} s"
+            print(f"| {variant} | {r['file_mib']:,} MiB | +{r['peak_rise_mib']:,} MiB | {cells[0]} | {cells[1]} | {enc} |")
+        if a.json:
+            Path(a.json).write_text(json.dumps(result, indent=2), encoding="utf-8")
+        return result
     rows = {}
     for variant in VARIANTS:
         cmd = [sys.executable, "-m", "bench.text_encoder_gguf", "--repeat", str(a.repeat), "--device", a.device,
