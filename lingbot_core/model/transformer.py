@@ -139,14 +139,8 @@ class Linear(nn.Linear):
     def holding(self) -> Iterator[None]:
         """Within: a weight that needs converting is converted once and kept (the CFG branches of one
         lockstep block call share it, as :meth:`Experts.holding_stacks` shares the stacks); dropped on exit."""
-        if not self.converts:
+        with _holding(self, self.converts):
             yield
-            return
-        self._held = {}
-        try:
-            yield
-        finally:
-            self._held = None
 
     def forward(self, x: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         dtype = dtype or (x.dtype if self.weight_qtype is not None else self.weight.dtype)
@@ -316,14 +310,21 @@ class Experts(nn.Module):
         """Within: stacks that need converting (GGUF or fp8) are converted once and kept, so the CFG branches
         of one lockstep block call share them (one dequantization per stack per block call, not per branch);
         dropped on exit. Costs nothing extra at the peak: a branch holds them while its experts run anyway."""
-        if not (self.qtypes or any(getattr(self, f"scale_{n}") is not None for n in ("w1", "w2", "w3"))):
+        with _holding(self, bool(self.qtypes) or any(getattr(self, f"scale_{n}") is not None for n in ("w1", "w2", "w3"))):
             yield
-            return
-        self._held = {}
-        try:
-            yield
-        finally:
-            self._held = None
+
+
+@contextmanager
+def _holding(owner: nn.Module, converts: bool) -> Iterator[None]:
+    """``owner._held`` is a dict of converted weights by dtype within (when it ``converts``), None outside."""
+    if not converts:
+        yield
+        return
+    owner._held = {}
+    try:
+        yield
+    finally:
+        owner._held = None
 
 
 def converted_bytes(block: nn.Module, dtype: torch.dtype) -> int:
