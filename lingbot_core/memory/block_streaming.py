@@ -26,7 +26,7 @@ from accelerate.hooks import ModelHook, add_hook_to_module
 from accelerate.utils import send_to_device
 
 from . import host_memory
-from .budget import loaded_tensor_bytes
+from .budget import loaded_tensor_bytes, text_encoder_file_bytes
 
 
 # Byte alignment of each tensor inside a ring buffer (vectorised kernels want at least 16; PyTorch's own
@@ -661,14 +661,11 @@ def ring_staging_bytes(model_dir, transformer_subfolder: str, dtype: torch.dtype
                   for path in safetensors_files(folder, transformer_subfolder, "diffusion_pytorch_model")]
     total = RING_SLOTS * _largest_block(tables, _DIT_BLOCK)
     if text_encoder_dtype is not None:
-        paths = ([Path(text_encoder_file)] if text_encoder_file
-                 else safetensors_files(root / "text_encoder", "text_encoder", "model"))
-        if text_encoder_file and Path(text_encoder_file).suffix.lower() == ".gguf":
-            from ..model.text_encoder_gguf import loaded_bytes as gguf_text_bytes
-
-            tables = [gguf_text_bytes(text_encoder_file, text_encoder_dtype)]  # layers stream their quantized bytes
+        if text_encoder_file:  # a GGUF's layers stream their quantized bytes
+            tables = [text_encoder_file_bytes(text_encoder_file, text_encoder_dtype)]
         else:
-            tables = [loaded_tensor_bytes(p, text_encoder_dtype) for p in paths]
+            tables = [loaded_tensor_bytes(p, text_encoder_dtype)
+                      for p in safetensors_files(root / "text_encoder", "text_encoder", "model")]
         total += RING_SLOTS * _largest_block(tables, _TEXT_LAYER)
     return total
 

@@ -150,6 +150,15 @@ def loaded_tensor_bytes(path, dtype: Optional[torch.dtype] = None, keep_fp32=Non
     return out
 
 
+def text_encoder_file_bytes(path, dtype: Optional[torch.dtype] = None) -> Dict[str, int]:
+    """Bytes of each tensor of a single text-encoder file once loaded: a llama.cpp text GGUF's quantized
+    weights at their mapped size (``text_encoder_gguf.loaded_bytes``, header only), a safetensors file's
+    tensors cast to ``dtype``."""
+    from ..model.text_encoder_gguf import is_gguf, loaded_bytes
+
+    return loaded_bytes(path, dtype) if is_gguf(path) else loaded_tensor_bytes(path, dtype)
+
+
 def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch.dtype],
                   files: Optional[dict] = None) -> int:
     """RAM the weights of one pipeline take at the given component dtypes (headers only, no weights read).
@@ -174,10 +183,8 @@ def package_bytes(model_dir, transformer_subfolder: str, dtypes: Dict[str, torch
             dit = DitFile(single)
             total += sum(loaded_bytes(dit, dtype, transformer_config(root, sub, single, dit)).values())
             continue
-        if single and comp == "text_encoder" and Path(single).suffix.lower() == ".gguf":
-            from ..model.text_encoder_gguf import loaded_bytes as gguf_text_bytes
-
-            total += sum(gguf_text_bytes(single, dtype).values())  # quantized weights at their mapped size
+        if single and comp == "text_encoder":
+            total += sum(text_encoder_file_bytes(single, dtype).values())
             continue
         for path in [Path(single)] if single else safetensors_files(root / sub, sub, stem):
             total += tensor_bytes(path, dtype, islands)

@@ -181,7 +181,9 @@ def load_text_encoder_file(path, dtype: torch.dtype, config_folder: Optional[Pat
         config = text_encoder_config(config_folder, path)
     elif isinstance(config, dict):
         config = Qwen3VLConfig(**config)
-    if Path(path).suffix.lower() == ".gguf":  # llama.cpp's text model (see text_encoder_gguf)
+    from .text_encoder_gguf import is_gguf
+
+    if is_gguf(path):  # llama.cpp's text model (see text_encoder_gguf)
         from .text_encoder_gguf import load_text_encoder_gguf
 
         return load_text_encoder_gguf(path, dtype, config)
