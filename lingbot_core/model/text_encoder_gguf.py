@@ -22,9 +22,10 @@ F32 file's prompt embeddings equal the safetensors model's.
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -59,6 +60,11 @@ def is_gguf(path) -> bool:
 def is_mmproj(path) -> bool:
     """llama.cpp's vision-projector files (``mmproj-*.gguf``): not a text encoder on their own."""
     return Path(path).name.lower().startswith("mmproj")
+
+
+def mmproj_candidates(text_path) -> List[Path]:
+    """The ``mmproj*.gguf`` files beside a text GGUF, in name order (the first usable one serves TI2V)."""
+    return [p for p in sorted(Path(text_path).parent.iterdir()) if is_mmproj(p) and is_gguf(p) and p.is_file()]
 
 
 def gguf_name(hf_name: str) -> Optional[str]:
@@ -165,9 +171,7 @@ def loaded_bytes(path, dtype: torch.dtype) -> Dict[str, int]:
         hf = hf_name(key)
         if hf is None:
             continue
-        n = 1
-        for d in file.shape(key):
-            n *= int(d)
+        n = math.prod(int(d) for d in file.shape(key))
         out[hf] = file.nbytes(key) if _stays_quantized(hf, file.qtype(key)) else n * size
     out.update(_mmproj_bytes(Path(path), size))
     return out
@@ -176,9 +180,7 @@ def loaded_bytes(path, dtype: torch.dtype) -> Dict[str, int]:
 def _mmproj_bytes(text_path: Path, size: int) -> Dict[str, int]:
     """Bytes of the first Qwen3-VL vision projector beside the text GGUF (name order), by its tensor names:
     Linear weights at their mapped size, the rest as values of ``size`` bytes (header only)."""
-    for candidate in sorted(text_path.parent.iterdir()):
-        if not (is_mmproj(candidate) and is_gguf(candidate) and candidate.is_file()):
-            continue
+    for candidate in mmproj_candidates(text_path):
         try:
             file = GGUFFile(candidate, "text_encoder")
         except ModelPackageError:
@@ -187,9 +189,7 @@ def _mmproj_bytes(text_path: Path, size: int) -> Dict[str, int]:
             continue
         out = {}
         for key in file.keys():
-            n = 1
-            for d in file.shape(key):
-                n *= int(d)
+            n = math.prod(int(d) for d in file.shape(key))
             linear = len(file.shape(key)) == 2 and key.endswith(".weight") and "position_embd" not in key
             out[f"{candidate.name}:{key}"] = file.nbytes(key) if linear else n * size
         return out
@@ -318,9 +318,7 @@ def find_mmproj(text_path: Path, config):
     """The first ``mmproj*.gguf`` beside the text GGUF (name order) that is Qwen3-VL's vision tower of
     ``config``'s shapes, and why the others were passed over."""
     why = []
-    for candidate in sorted(Path(text_path).parent.iterdir()):
-        if not (is_mmproj(candidate) and is_gguf(candidate) and candidate.is_file()):
-            continue
+    for candidate in mmproj_candidates(text_path):
         try:
             return VisionProjectorGGUF(candidate, config), why
         except ModelPackageError as e:
