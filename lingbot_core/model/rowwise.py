@@ -10,7 +10,7 @@ RMSNorm makes four). Traced by ``compile_blocks``, the whole expressions are kep
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -46,15 +46,18 @@ class RMSNorm(nn.Module):
 CHUNK_BYTES = 128 << 20
 
 
-def by_token_chunks(shape: Sequence[int], dtype: torch.dtype, device, part, row_bytes: Optional[int] = None) -> torch.Tensor:
+def chunk_tokens(token_bytes: int) -> int:
+    """Tokens per chunk when one token's fp32 temporary takes ``token_bytes``: :data:`CHUNK_BYTES` worth."""
+    return max(1, CHUNK_BYTES // max(1, token_bytes))
+
+
+def by_token_chunks(shape: Sequence[int], dtype: torch.dtype, device, part) -> torch.Tensor:
     """The (B, S, ...) result of a row-wise computation, ``part(lo, hi)`` giving tokens ``lo:hi`` (dim 1),
-    computed in chunks of ``CHUNK_BYTES // row_bytes`` tokens written into one output (``row_bytes``: one
-    token's fp32 temporary, by default the fp32 size of a token of ``shape``). Each token's numbers are
-    ``part``'s over the whole range, so the bits are too. Traced (``compile_blocks``), one call: the
-    compiler fuses the expression and sizes its own buffers."""
+    computed in chunks (:func:`chunk_tokens` of a token of ``shape`` in fp32) written into one output.
+    Each token's numbers are ``part``'s over the whole range, so the bits are too. Traced
+    (``compile_blocks``), one call: the compiler fuses the expression and sizes its own buffers."""
     seq = shape[1]
-    row_bytes = row_bytes or math.prod(shape[:1]) * math.prod(shape[2:]) * 4
-    step = max(1, CHUNK_BYTES // max(1, row_bytes))
+    step = chunk_tokens(math.prod(shape[:1]) * math.prod(shape[2:]) * 4)
     if step >= seq or torch.compiler.is_compiling():
         return part(0, seq)
     out = torch.empty(tuple(shape), dtype=dtype, device=device)
@@ -94,7 +97,7 @@ def apply_rope(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).to(x.dtype)
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     seq = x.shape[1]
-    step = seq if x.dtype == torch.float32 else max(1, CHUNK_BYTES // (x[:, :1].numel() // 2 * 4))
+    step = seq if x.dtype == torch.float32 else chunk_tokens(x[:, :1].numel() // 2 * 4)  # tmp: half the pairs
     for lo in range(0, seq, step):
         hi = min(seq, lo + step)
         pairs = x[:, lo:hi].reshape(*x.shape[:1], hi - lo, *x.shape[2:-1], -1, 2)

@@ -124,16 +124,9 @@ class Linear(nn.Linear):
         Traced (``compile_blocks``), the hold is not read: the graph's guards would differ between the
         branch that fills it and the one that finds it (a second graph), and the compiled graph fuses the
         dequantization into the projection anyway."""
-        held = None if torch.compiler.is_compiling() else self._held
-        if held is not None and dtype in held:
-            return held[dtype]
         if self.weight_qtype is not None:
-            weight = gguf_weights.dequantize(self.weight, self.weight_qtype, dtype, device)
-        else:
-            weight = dequantize(self.weight, self.scale_weight, dtype)
-        if held is not None:
-            held[dtype] = weight
-        return weight
+            return _held_or(self, dtype, lambda: gguf_weights.dequantize(self.weight, self.weight_qtype, dtype, device))
+        return _held_or(self, dtype, lambda: dequantize(self.weight, self.scale_weight, dtype))
 
     @contextmanager
     def holding(self) -> Iterator[None]:
@@ -296,14 +289,9 @@ class Experts(nn.Module):
         are). fp8 stacks cost one cast and one in-place scale per stack, whatever the number of experts;
         the price is one block's expert weights in bf16 while the layer runs. Inside :meth:`holding_stacks`
         the converted stacks are kept and returned again."""
-        held = self._held
-        if held is not None and dtype in held:
-            return held[dtype]
-        out = tuple(gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
-                    else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2"))
-        if held is not None:
-            held[dtype] = out
-        return out
+        return _held_or(self, dtype, lambda: tuple(
+            gguf_weights.dequantize(getattr(self, name), self.qtypes[name], dtype) if name in self.qtypes
+            else dequantize(getattr(self, name), getattr(self, f"scale_{name}"), dtype) for name in ("w1", "w3", "w2")))
 
     @contextmanager
     def holding_stacks(self) -> Iterator[None]:
@@ -312,6 +300,17 @@ class Experts(nn.Module):
         dropped on exit. Costs nothing extra at the peak: a branch holds them while its experts run anyway."""
         with _holding(self, bool(self.qtypes) or any(getattr(self, f"scale_{n}") is not None for n in ("w1", "w2", "w3"))):
             yield
+
+
+def _held_or(owner: nn.Module, dtype: torch.dtype, convert):
+    """``owner``'s converted weight(s) in ``dtype``: the held ones inside :func:`_holding`, else ``convert()``
+    (kept there for the next branch). Traced, the hold is not read (see :meth:`Linear.weight_in`)."""
+    held = None if torch.compiler.is_compiling() else owner._held
+    if held is None:
+        return convert()
+    if dtype not in held:
+        held[dtype] = convert()
+    return held[dtype]
 
 
 @contextmanager
