@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from .model.latents import (
-    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_vae_tiling, check_video_size, latent_shape,
+    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
     pad_frames, padded_frame_count, preprocess_first_frame, resize_frames, tiling_enabled, vae_decode, vae_encode,
     vae_tiling,
 )
@@ -511,7 +511,6 @@ class LingbotPipeline:
         reaches the device one 4-frame chunk at a time, never whole.
         """
         self._require_loaded()
-        check_vae_tiling(vae_tiling)
         if self.is_refiner:
             raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
         if video is not None and video_latent is not None:
