@@ -17,6 +17,7 @@ from lingbot_core.model.component_files import load_text_encoder_file
 from lingbot_core.prompts.text_conditioning import encode_text, template_crop_start
 from lingbot_core.testing import file_fixtures as ff
 from lingbot_core.testing.gguf_fixtures import write_mmproj_gguf, write_text_encoder_gguf
+from support.alike_layout import align_module
 
 PROMPTS = ("a cat on a sofa, 一只猫 🐱", "rain over a harbour at night")
 # Widths whose rows are whole 256-value K-quant blocks (hidden 256, attention 4 x 64, MLP 512); a small
@@ -105,14 +106,16 @@ def test_the_f32_gguf_gives_the_safetensors_files_prompt_embeddings(setup):
     write_text_encoder_gguf(path, tiny, "F32")
     reference = load_text_encoder_file(st, torch.float32, config=ff.TINY_TEXT_CONFIG)
     reference.lm_head = torch.nn.Identity()  # as load_pipeline sets it: the final hidden states
-    want = _embeds(setup, reference)
     te = load_text_encoder_file(path, torch.float32, config=ff.TINY_TEXT_CONFIG)
-    got = _embeds(setup, te)
+    q = te.model.language_model.layers[1].self_attn.q_proj.weight
+    assert q.dtype == torch.float32 and _in_map(q, path)  # F32 weights used straight from the map
+    # Two loads at their files' offsets (safetensors 8-byte, GGUF 32-byte aligned) may round differently on
+    # another CPU: compared on alike (64-byte aligned) layouts, as every two-load test is.
+    align_module(reference), align_module(te)
+    want, got = _embeds(setup, reference), _embeds(setup, te)
     for w, g in zip(want, got):
         assert w.shape == g.shape and w.shape[1] > 5 and w.abs().max() > 0.1
         assert torch.equal(g, w)  # no q/k permutation to undo: llama.cpp writes qwen3vl's q/k as HF has them
-    q = te.model.language_model.layers[1].self_attn.q_proj.weight
-    assert q.dtype == torch.float32 and _in_map(q, path)  # F32 weights used straight from the map
 
 
 @pytest.mark.parametrize("qtype,raw,embed", [("Q8_0", ff.TINY_TEXT_CONFIG, "Q8_0"), ("Q4_K", WIDE_TEXT_CONFIG, "Q4_K"),
@@ -156,9 +159,10 @@ def test_quantized_gguf_gives_the_embeddings_of_its_dequantized_values(setup, qt
 
 def test_bf16_gguf_computes_in_bf16_like_its_values_loaded_in_bf16(setup):
     path, held = setup["q8"], setup["q8_held"]
-    want = _embeds(setup, _oracle(setup["tiny"], held, ff.TINY_TEXT_CONFIG, setup["root"] / "oracle-bf16.safetensors",
-                                  torch.bfloat16))
-    got = _embeds(setup, load_text_encoder_file(path, torch.bfloat16, config=ff.TINY_TEXT_CONFIG))
+    oracle = _oracle(setup["tiny"], held, ff.TINY_TEXT_CONFIG, setup["root"] / "oracle-bf16.safetensors", torch.bfloat16)
+    te = load_text_encoder_file(path, torch.bfloat16, config=ff.TINY_TEXT_CONFIG)
+    align_module(oracle), align_module(te)  # two loads: compared on alike layouts (the oracle is file-mapped)
+    want, got = _embeds(setup, oracle), _embeds(setup, te)
     for w, g in zip(want, got):
         assert g.dtype == torch.bfloat16 and w.shape == g.shape
         assert torch.equal(g, w)  # the dequantized weight rounded to bf16 once, as the bf16 safetensors load holds it
@@ -232,6 +236,10 @@ def test_an_mmproj_beside_the_text_gguf_serves_image_prompts(setup, vision, visi
     want = [encode_text(_oracle(model, held, VISION_TEXT_CONFIG), setup["processor"], p, _image(),
                         torch.device("cpu"), setup["crop"]) for p in PROMPTS]
     te = load_text_encoder_file(text, torch.float32, config=VISION_TEXT_CONFIG)
+    qkv = te.model.visual.blocks[0].attn.qkv
+    assert qkv.weight.dtype == torch.uint8 and qkv.weight_qtype.name == vision_type and _in_map(qkv.weight, proj)
+    # then compared on alike layouts (the oracle is in memory, the file's F32 weights are viewed at its offsets)
+    align_module(te, raw_bytes=True)
     got = [encode_text(te, setup["processor"], p, _image(), torch.device("cpu"), setup["crop"]) for p in PROMPTS]
     image_free = _embeds(setup, te)
     for w, g, plain in zip(want, got, image_free):
@@ -240,8 +248,6 @@ def test_an_mmproj_beside_the_text_gguf_serves_image_prompts(setup, vision, visi
             assert torch.equal(g, w)
         else:
             assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item(), (g - w).abs().max().item()
-    qkv = te.model.visual.blocks[0].attn.qkv
-    assert qkv.weight.dtype == torch.uint8 and qkv.weight_qtype.name == vision_type and _in_map(qkv.weight, proj)
     # the budget counts the vision tower too: Linear weights at their stored size, the rest as bf16 values
     from lingbot_core.model.text_encoder_gguf import loaded_bytes
 

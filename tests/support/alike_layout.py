@@ -35,15 +35,24 @@ def misaligned(pipe) -> list:
 def align_alike(*pipes) -> int:
     """Give every CPU value tensor of each pipeline 64-byte aligned memory (a copy where it is not);
     returns how many were copied. For tests only: the copies leave the file mapping (RAM)."""
-    moved = 0
-    for pipe in pipes:
-        for c in COMPONENTS:
-            for _, t in _values(getattr(pipe, c)):
-                aligned = kernel_aligned(t.data)
-                if aligned is not t.data:
-                    t.data = aligned
-                    moved += 1
+    moved = sum(align_module(getattr(pipe, c)) for pipe in pipes for c in COMPONENTS)
     assert not any(misaligned(p) for p in pipes)
+    return moved
+
+
+def align_module(module, raw_bytes: bool = False) -> int:
+    """:func:`align_alike` for one module (a component loaded on its own); returns how many were copied.
+    ``raw_bytes`` also aligns weights kept as their GGUF bytes (uint8): an F32/F16 one is viewed, not
+    copied, when a layer runs, so its file offset is the kernel's."""
+    moved = 0
+    tensors = list(_values(module))
+    if raw_bytes:
+        tensors += [(n, t) for n, t in module.named_parameters() if t.dtype == torch.uint8]
+    for _, t in tensors:
+        aligned = kernel_aligned(t.data)
+        if aligned is not t.data:
+            t.data = aligned
+            moved += 1
     return moved
 
 
