@@ -364,7 +364,7 @@ class RemoteServer:
                                      url=url, status=e.status, job_id=job_id)
         if isinstance(e, CannotConnect):
             return RemoteServerError(f"cannot reach the video server at {url} ({e.reason}){job}; start the server (see "
-                                     "README: Rendering on a GPU server), or fix its address.", url=url, job_id=job_id,
+                                     "docs/remote-engines.md in this pack), or fix its address.", url=url, job_id=job_id,
                                      server_message=e.reason)
         detail = answer_text(str(e), self._secrets)
         return RemoteServerError(f"the video server: {answer_text(str(e), self._secrets, 1000)}{job}.", url=url,

@@ -76,7 +76,7 @@ def padded_frame_count(frames: int) -> int:
 def pad_frames(video: torch.Tensor, frames: int, dim: int) -> torch.Tensor:
     """``video`` extended along ``dim`` to ``frames`` frames by repeating its last frame (a held frame: the
     padded tail is a still, whose last latent frame keeps the real frames better than a reflected tail: see
-    README, "Video-to-video and long videos"). Trim the decoded frames back to the video's own count."""
+    docs/video-to-video-and-long-video.md). Trim the decoded frames back to the video's own count."""
     extra = int(frames) - video.shape[dim]
     if extra < 0:
         raise ValueError(f"cannot pad a video of {video.shape[dim]} frames to {frames}.")
