@@ -28,15 +28,19 @@ def pages() -> list[Path]:
     return [README] + sorted(DOCS.glob("*.md"))
 
 
-def prose_lines(text: str):
-    """(line number, line) outside fenced code blocks, with inline code spans blanked."""
-    fenced = False
-    for number, line in enumerate(text.splitlines(), 1):
+def prose(text: str) -> str:
+    """The text with fenced code blocks and inline code spans blanked (line breaks kept, so offsets still
+    give line numbers): links inside code are no links."""
+    out, fenced = [], False
+    for line in text.split("\n"):
         if FENCE.match(line):
             fenced = not fenced
-            continue
-        if not fenced:
-            yield number, INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line)
+            out.append("")
+        elif fenced:
+            out.append("")
+        else:
+            out.append(INLINE_CODE.sub(lambda m: " " * len(m.group(0)), line))
+    return "\n".join(out)
 
 
 def slug(heading: str) -> str:
@@ -68,10 +72,11 @@ def anchors(path: Path) -> set[str]:
 
 
 def links(path: Path):
-    """(line number, target) of every Markdown link and image on a page, outside code."""
-    for number, line in prose_lines(path.read_text(encoding="utf-8")):
-        for match in LINK.finditer(line):
-            yield number, match.group(1)
+    """(line number, target) of every Markdown link and image on a page, outside code; a link's text may
+    span lines."""
+    text = prose(path.read_text(encoding="utf-8"))
+    for match in LINK.finditer(text):
+        yield text.count("\n", 0, match.start()) + 1, match.group(1)
 
 
 def problems(page: Path, anchor_cache: dict[Path, set[str]]) -> list[str]:
