@@ -8,7 +8,7 @@
 Starts a headless ComfyUI on CPU with this pack linked (``--front-end-root`` picks another frontend
 build, e.g. from ``pip install --target DIR comfyui-frontend-package==X``), sets the frontend's language
 (``Comfy.Locale``), places ``--node`` and LoadLingbotPipeline on the canvas, opens the node's help in the
-node library panel (what the selection toolbox's info button does) and screenshots the window. Prints a
+node library panel (the selection toolbox's info button) and screenshots the window. Prints a
 JSON line: the frontend version, the node titles drawn on the canvas, the help panel's heading and the
 help URL the frontend fetched, so the result can be checked without looking at the picture.
 
@@ -37,29 +37,40 @@ PLACE = """(() => {
   app.graph.clear();
   const loader = LG.createNode('LoadLingbotPipeline'); loader.pos = [40, 80]; app.graph.add(loader);
   const node = LG.createNode(%(node)s); node.pos = [420, 80]; app.graph.add(node);
-  app.canvas.ds.scale = 0.75; app.canvas.ds.offset = [20, 40];
+  app.canvas.ds.scale = 0.75; app.canvas.ds.offset = [560, 60];  // right of the side panel
   app.canvas.selectNode(node);
   app.canvas.setDirty(true, true);
   return app.graph._nodes.map(n => n.title);
 })()"""
 
-# Open the node library side panel and the node's help in it (the store the info button uses).
+# Click the selection toolbox's info button, as a user would: 1.32.9 opens the help in the node
+# library panel, 1.58.1 in the right-side panel's Info tab. Returns the node's display name.
 OPEN_HELP = """(() => {
-  const pinia = document.querySelector('#vue-app').__vue_app__.config.globalProperties.$pinia;
-  const tabs = window.app.extensionManager.sidebarTab;
-  if (tabs.activeSidebarTabId !== 'node-library') tabs.toggleSidebarTab('node-library');
-  const def = pinia._s.get('nodeDef').nodeDefsByName[%(node)s];
-  setTimeout(() => pinia._s.get('nodeHelp').openHelp(def), 300);
-  return def.display_name;
+  const button = document.querySelector('[data-testid="info-button"]');
+  if (!button) return null;
+  button.click();
+  return window.app.graph._nodes.find(n => n.type === %(node)s).title;
 })()"""
 
+# The help page's own headings (a missing page shows the node's description instead, without them).
 HELP_SHOWN = """(() => {
-  const h = [...document.querySelectorAll('h1')].map(e => e.textContent.trim());
-  return h.find(t => t.includes(%(title)s)) || null;
+  const h1 = [...document.querySelectorAll('h1')].map(e => e.textContent.trim());
+  const title = h1.find(t => t.includes(%(title)s));
+  return title ? [title, ...[...document.querySelectorAll('h2')].map(e => e.textContent.trim())] : null;
 })()"""
 
 HELP_FETCHES = """performance.getEntriesByType('resource').map(e => e.name)
-  .filter(n => n.includes('/docs/')).map(n => n.replace(location.origin, '') + '')"""
+  .filter(n => n.includes('/docs/')).map(n => n.replace(location.origin, ''))"""
+
+# Keep every resource timing (the app loads more than the default 250 before the help is opened).
+PRELOAD = "try { performance.setResourceTimingBufferSize(100000); } catch (e) {}"
+
+
+def page_title(node: str, locale: str) -> str:
+    """The first heading of the page the frontend should show (the locale's, else the English one)."""
+    docs = shot.REPO / "web" / "docs"
+    page = docs / node / f"{locale}.md"
+    return (page if page.is_file() else docs / f"{node}.md").read_text(encoding="utf-8").splitlines()[0].lstrip("# ")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     extra = ["--front-end-root", args.front_end_root] if args.front_end_root else []
     server = ComfyServer(tmp / "server", extra_args=extra, websocket=False)
     proc = log = cdp = None
+    ok = False
     try:
         server.start()
         status, _ = server.post("/settings", shot.build_settings_payload({"Comfy.Locale": args.locale}))
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
                  deviceScaleFactor=1, mobile=False)
         cdp.call("Page.enable")
         cdp.call("Runtime.enable")
-        cdp.call("Page.addScriptToEvaluateOnNewDocument", source=shot.PRELOAD)
+        cdp.call("Page.addScriptToEvaluateOnNewDocument", source=shot.PRELOAD + PRELOAD)
         cdp.call("Page.navigate", url=server.url + "/")
         shot.wait_for(cdp, shot.APP_READY, 120, "the ComfyUI app")
         time.sleep(2.0)
@@ -102,17 +114,23 @@ def main(argv: list[str] | None = None) -> int:
         version = cdp.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
         node = json.dumps(args.node)
         titles = cdp.evaluate(PLACE % {"node": node})
-        display = cdp.evaluate(OPEN_HELP % {"node": node})
-        heading = shot.wait_for(cdp, HELP_SHOWN % {"title": json.dumps(display)}, 30, "the help page")
+        time.sleep(1.0)  # the selection toolbox appears after the selection
+        display = shot.wait_for(cdp, OPEN_HELP % {"node": node}, 15, "the selection toolbox's info button")
+        try:
+            heading = shot.wait_for(cdp, HELP_SHOWN % {"title": json.dumps(page_title(args.node, args.locale))},
+                                30, "the help page")
+        except TimeoutError:
+            heading = None  # screenshot what is shown instead, and fail
         time.sleep(1.0)
         cdp.evaluate(shot.DISMISS)
         result = {"frontend": version, "locale": args.locale, "canvas_titles": titles,
-                  "help_heading": heading, "help_fetches": cdp.evaluate(HELP_FETCHES)}
+                  "help_headings": heading, "help_fetches": cdp.evaluate(HELP_FETCHES), "node_display_name": display}
         png = cdp.call("Page.captureScreenshot", format="png")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         Image.open(io.BytesIO(base64.b64decode(png["data"]))).convert("RGB").save(args.out, optimize=True)
         result["out"] = str(args.out)
         print(json.dumps(result, ensure_ascii=False), flush=True)
+        ok = heading is not None
     finally:
         if cdp is not None:
             try:
@@ -130,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             log.close()
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
