@@ -22,7 +22,6 @@ import base64
 import io
 import json
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -132,20 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result, ensure_ascii=False), flush=True)
         ok = heading is not None
     finally:
-        if cdp is not None:
-            try:
-                cdp.call("Browser.close")
-            except Exception:  # noqa: BLE001 - the process is ended below anyway
-                pass
-            cdp.close()
-        if proc is not None:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if log is not None:
-            log.close()
+        shot.close_browser(proc, log, cdp)
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     return 0 if ok else 1
