@@ -51,9 +51,9 @@ WORDS = {
         "no_examples": "No example workflow uses this node yet.", "no_inputs": "None.",
     },
     "zh": {
-        "inputs": "输入", "outputs": "输出", "examples": "示例工作流", "optional": "可选",
-        "default": "默认", "range": "{lo}–{hi}", "step": "步长", "one_of": "可选值",
-        "files": "列出已安装的文件", "sep": "，", "colon": "：", "open": "（", "close": "）",
+        "inputs": "输入", "outputs": "输出", "examples": "示例工作流", "optional": "可选输入",
+        "default": "默认", "range": "{lo}–{hi}", "step": "步长", "one_of": "选项",
+        "files": "列出已安装的内容", "sep": "，", "colon": "：", "open": "（", "close": "）",
         "where": "在 ComfyUI 的模板浏览器中打开（位于 **lingbot-video-nodes** 下）：",
         "no_examples": "目前还没有示例工作流使用此节点。", "no_inputs": "无。",
     },
