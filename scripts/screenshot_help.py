@@ -58,6 +58,13 @@ HELP_SHOWN = """(() => {
   return title ? [title, ...[...document.querySelectorAll('h2')].map(e => e.textContent.trim())] : null;
 })()"""
 
+# What the frontend's i18n gives for the node's first input tooltip (the key itself when untranslated).
+TOOLTIP = """(() => {
+  const t = document.querySelector('#vue-app').__vue_app__.config.globalProperties.$t;
+  const key = 'nodeDefs.' + %(node)s + '.inputs.' + %(input)s + '.tooltip';
+  return t(key);
+})()"""
+
 HELP_FETCHES = """performance.getEntriesByType('resource').map(e => e.name)
   .filter(n => n.includes('/docs/')).map(n => n.replace(location.origin, ''))"""
 
@@ -112,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
             cdp.evaluate(shot.DISMISS)
         version = cdp.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
         node = json.dumps(args.node)
+        zh = json.loads((shot.REPO / "locales" / "zh" / "nodeDefs.json").read_text(encoding="utf-8"))
+        first_input = next(iter(zh.get(args.node, {}).get("inputs", {})), "")
         titles = cdp.evaluate(PLACE % {"node": node})
         time.sleep(1.0)  # the selection toolbox appears after the selection
         display = shot.wait_for(cdp, OPEN_HELP % {"node": node}, 15, "the selection toolbox's info button")
@@ -123,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(1.0)
         cdp.evaluate(shot.DISMISS)
         result = {"frontend": version, "locale": args.locale, "canvas_titles": titles,
-                  "help_headings": heading, "help_fetches": cdp.evaluate(HELP_FETCHES), "node_display_name": display}
+                  "help_headings": heading, "help_fetches": cdp.evaluate(HELP_FETCHES),
+                  "input_tooltip": cdp.evaluate(TOOLTIP % {"node": node, "input": json.dumps(first_input)}), "node_display_name": display}
         png = cdp.call("Page.captureScreenshot", format="png")
         args.out.parent.mkdir(parents=True, exist_ok=True)
         Image.open(io.BytesIO(base64.b64decode(png["data"]))).convert("RGB").save(args.out, optimize=True)
