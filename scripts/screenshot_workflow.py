@@ -222,6 +222,28 @@ def launch_chromium(binary: str, profile: Path, width: int, height: int):
     return proc, log, CDP(page["webSocketDebuggerUrl"])
 
 
+def close_browser(proc, log, cdp) -> None:
+    """Close Chromium (politely, then by force) and its log; any argument may be None."""
+    if cdp is not None:
+        try:
+            cdp.call("Browser.close")
+        except Exception:  # noqa: BLE001 - fall back to terminating the process
+            pass
+        cdp.close()
+    if proc is not None:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    if log is not None:
+        log.close()
+
+
 # --------------------------------------------------------------------------------------------
 # Page scripts
 # --------------------------------------------------------------------------------------------
@@ -435,24 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[shot] wrote {args.out} ({image.size[0]}x{image.size[1]}, "
               f"{args.out.stat().st_size / 1024:.0f} KiB)", flush=True)
     finally:
-        if cdp is not None:
-            try:
-                cdp.call("Browser.close")
-            except Exception:  # noqa: BLE001 - fall back to terminating the process
-                pass
-            cdp.close()
-        if proc is not None:
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
-        if log is not None:
-            log.close()
+        close_browser(proc, log, cdp)
         if server is not None:
             server.stop()
         if args.keep_temp:

@@ -12,7 +12,9 @@ def test_archive_has_the_pack_and_no_test_data():
     files, includes = archive_files()
     assert "example_workflows/" in includes
     for must in ("__init__.py", "pyproject.toml", "requirements.txt", "README.md", "LICENSE",
-                 "nodes/__init__.py", "lingbot_core/__init__.py"):
+                 "nodes/__init__.py", "lingbot_core/__init__.py",
+                 # the help pages ComfyUI serves from WEB_DIRECTORY and the Chinese names it serves from /i18n
+                 "web/docs/GenerateVideo.md", "web/docs/GenerateVideo/zh.md", "locales/zh/nodeDefs.json"):
         assert must in files, must
     assert any(p.startswith("example_workflows/") and p.endswith(".json") for p in files)
     leaked = sorted(p for p in files if p.split("/")[0] in ("tests", "bench", ".ci") or p.startswith("docs/images/")
