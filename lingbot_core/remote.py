@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import logging
 import math
+import re
 import threading
 import time
 import urllib.parse
@@ -29,7 +30,7 @@ import torch
 
 from .net.http_transport import (SLICE, AnswerTooLarge, CannotConnect, DeadlineExceeded, Interrupt, JSONTooDeep,
                                  TransportError, answer_text, check_base_url, check_key, content_length, loads_json,
-                                 open_answer, scrub)
+                                 FIELD_CHARS, open_answer, scrub, scrub_fields)
 from .model.latents import check_video_size, preprocess_first_frame
 from .memory.budget import trim_heap
 from .pipeline import _check_seed, _check_steps, _check_text_inputs, check_ti2v_size
@@ -50,6 +51,9 @@ MAX_JSON_BYTES = 1 << 22  # a job object or an error is a few kB
 VIDEO_BYTES_MARGIN = 1 << 24  # an mp4 is far smaller than its raw frames; a lossless one about as large
 DONE, FAILED = "completed", "failed"
 RUNNING = ("queued", "in_progress", "processing", "pending", "running")
+# A job id goes into URL paths, messages and log lines: a short run of these characters, starting with a
+# letter or digit (so never "." or ".."). SGLang sends "video_<hex>", vLLM-Omni "video_gen_<hex>".
+_JOB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
 
 # ``callback(progress, total)``: ``progress`` of ``total`` (100) after every poll. Raising from it (e.g.
 # ComfyUI's interrupt) cancels the job on the server and re-raises. ``interrupt()`` is called every
@@ -88,11 +92,16 @@ class RemoteVideo:
     elapsed_s: float
 
     def report(self) -> str:
-        job = self.job
-        parts = [f"job {job.get('id')} on {self.url} (model {job.get('model')!r}): {job.get('status')}",
+        job = self.job  # scrubbed and capped (RemoteServer._scrubbed_job); each field is cut again as shown
+
+        def field(name, default="not reported", show=str):
+            text = show(job.get(name, default))
+            return text if len(text) <= FIELD_CHARS else text[:FIELD_CHARS] + "…"
+
+        parts = [f"job {field('id')} on {self.url} (model {field('model', None, repr)}): {field('status')}",
                  f"{self.frames.shape[0]} frames {self.frames.shape[2]}x{self.frames.shape[1]}, {len(self.mp4):,} bytes of mp4",
-                 f"inference_time_s={job.get('inference_time_s', 'not reported')}",
-                 f"peak_memory_mb={job.get('peak_memory_mb', 'not reported')}",
+                 f"inference_time_s={field('inference_time_s')}",
+                 f"peak_memory_mb={field('peak_memory_mb')}",
                  f"round trip {self.elapsed_s:.1f} s"]
         return "; ".join(parts)
 
@@ -136,6 +145,20 @@ def _job_body(raw: bytes, url: str, job_id: Optional[str]) -> Optional[dict]:
     if isinstance(body, dict) and isinstance(body.get("status"), str) and ("id" in body or body.get("object") == "video"):
         return body
     return None
+
+
+def check_job_id(value, url: str, secrets=()) -> str:
+    """The server's job ``id`` if it is a string of at most 128 safe characters; RemoteServerError naming the
+    field otherwise (its value shown only as a short, scrubbed, escaped prefix)."""
+    if isinstance(value, str) and _JOB_ID.fullmatch(value):
+        return value
+    if isinstance(value, str):
+        shown = f"{len(value):,} characters starting {ascii(scrub(value[:40], secrets))}"
+    else:
+        shown = f"a JSON {type(value).__name__ if value is not None else 'null'}"
+    raise RemoteServerError(f"{url} answered a job whose field 'id' is {shown}; a job id is 1 to 128 letters, digits "
+                            "and . _ : - (starting with a letter or digit). Refused: is base_url a LingBot-Video "
+                            "server?", url=url, status=200)
 
 
 def encode_multipart(fields: List[Tuple[str, str]], files: List[Tuple[str, str, str, bytes]]) -> Tuple[bytes, str]:
@@ -242,7 +265,7 @@ class RemoteServer:
             job = self._submit(body, content_type, deadline, interrupt)
         except RemoteServerError as e:
             raise self._scrubbed(e)
-        job_id = str(job["id"])
+        job_id = job["id"]  # checked by _submit (check_job_id)
         seen = {"in_progress": job.get("status") == "in_progress"}
         try:
             job = self._wait(job, deadline, callback, seen, interrupt)
@@ -255,7 +278,7 @@ class RemoteServer:
             raise
         out = frames.astype(np.float32)
         out /= np.float32(255.0)
-        return RemoteVideo(out, mp4, self._scrubbed_job(job), self.base_url, time.monotonic() - start)
+        return RemoteVideo(out, mp4, self._scrubbed_job({**job, "id": job_id}), self.base_url, time.monotonic() - start)
 
     def _decode(self, mp4: bytes, job_id: str, frames_asked: int, height: int, width: int) -> np.ndarray:
         """The mp4's frames; refused (nothing decoded) unless it is an mp4 whose header matches the request."""
@@ -277,8 +300,9 @@ class RemoteServer:
                 url=url, status=200, job_id=job_id, server_message=detail) from None
 
     def _scrubbed_job(self, job: dict) -> dict:
-        """The final job object with its text fields scrubbed (it ends up in the node's report)."""
-        return {k: scrub(v, self._secrets) if isinstance(v, str) else v for k, v in job.items()}
+        """The final job object fit for the node's report, ComfyUI's history and its log: every string at every
+        depth scrubbed of the key and made one line, every field and structure capped (:func:`scrub_fields`)."""
+        return scrub_fields(job, self._secrets)
 
     def _give_up(self, job_id: str, saw_progress: bool, error: BaseException) -> None:
         """Delete an abandoned job on its own thread and deadline (CANCEL_SECONDS). A Cancel (any error that
@@ -396,15 +420,17 @@ class RemoteServer:
             hint = " (is base_url the video server, and does it serve LingBot-Video?)" if status == 404 else ""
             raise self._error("the video server refused the job", url, status, raw, None, hint)
         job = _job_body(raw, url, None)
-        if job is None or not str(job.get("id", "")):
+        if job is None or "id" not in job:
             shown = answer_text(raw, self._secrets)
             raise RemoteServerError(f"{url} answered HTTP {status} without a video job: {shown}",
                                     url=url, status=status, server_message=shown)
+        job_id = check_job_id(job["id"], url, self._secrets)
         if job["status"] == FAILED:
-            raise self._failed(url, status, job)
+            raise self._failed(url, status, job, job_id)
         return job
 
-    def _failed(self, url: str, status: int, job: dict) -> RemoteJobFailed:
+    def _failed(self, url: str, status: int, job: dict, job_id: str) -> RemoteJobFailed:
+        """``job_id`` is the id this client checked and uses, never an id a later answer claims."""
         err = job.get("error")
         if isinstance(err, dict):
             code = err.get("code")
@@ -412,9 +438,9 @@ class RemoteServer:
         else:
             message = str(err or "no error message")
         message = answer_text(message, self._secrets)
-        return RemoteJobFailed(f"the video server failed job {job.get('id')}: {url} answered HTTP {status} with "
-                                 f"status 'failed': {message}", url=url, status=status, job_id=str(job.get("id")),
-                                 server_message=message)
+        return RemoteJobFailed(f"the video server failed job {job_id}: {url} answered HTTP {status} with "
+                               f"status 'failed': {message}", url=url, status=status, job_id=job_id,
+                               server_message=message)
 
     def _sleep(self, seconds: float, interrupt: Interrupt) -> None:
         end = time.monotonic() + seconds
@@ -425,7 +451,7 @@ class RemoteServer:
 
     def _wait(self, job: dict, deadline: float, callback: Optional[ProgressCallback], seen: dict,
               interrupt: Interrupt) -> dict:
-        job_id = str(job["id"])
+        job_id = job["id"]
         path = f"/v1/videos/{urllib.parse.quote(job_id, safe='')}"
         url = self._url(path)
         while True:  # bounded by ``deadline``: every request and every sleep stops at it
@@ -437,7 +463,7 @@ class RemoteServer:
             if status == DONE:
                 return job
             if status == FAILED:
-                raise self._failed(url, 200, job)
+                raise self._failed(url, 200, job, job_id)
             if status not in RUNNING:
                 raise RemoteServerError(f"{url} reports job {job_id} with status "
                                         f"{answer_text(repr(status), self._secrets)}, which is neither queued, in "
@@ -452,7 +478,7 @@ class RemoteServer:
             if polled is None or not 200 <= code < 300:
                 if polled is not None and polled.get("status") in (FAILED, DONE, *RUNNING):
                     # vLLM-Omni answers a failed job with a non-200 status and the job body.
-                    raise self._failed(url, code, {**polled, "status": FAILED, "id": polled.get("id", job_id)})
+                    raise self._failed(url, code, polled, job_id)
                 raise self._error(f"could not read the state of job {job_id}", url, code, raw, job_id,
                                   " (the server may have restarted and lost the job; queue again)" if code == 404 else "")
             job = polled
@@ -470,9 +496,9 @@ class RemoteServer:
             if not 200 <= status < 300:
                 raw = self._read(answer, url, job_id)
                 raise self._error(f"could not download the video of job {job_id}", url, status, raw, job_id)
-            content_type = (headers.get("Content-Type") or "").split(";")[0].strip().lower()
-            if content_type != "video/mp4":
-                shown = answer_text(content_type, self._secrets, 80)
+            sent_type = headers.get("Content-Type") or ""
+            if sent_type.split(";")[0].strip().lower() != "video/mp4":
+                shown = answer_text(sent_type, self._secrets, 80)  # as sent: scrubbed before any other change
                 raise RemoteServerError(f"{url} (job {job_id}) sent Content-Type {shown or 'none'!r}, not video/mp4 "
                                         "(only mp4 is accepted); is base_url a LingBot-Video server?", url=url,
                                         status=status, job_id=job_id, server_message=shown)

@@ -751,10 +751,12 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         video = self.patch_embedder(patchify(hidden_states, cfg.patch_size), dtype)
         xs, freqs = [], []
-        for text in texts:
-            u = self.text_embedder(text.to(dtype), dtype)
-            xs.append(torch.cat([video, u], dim=1))
-            freqs.append(self.rope_table(grid, text.shape[1], video.device))
+        # The per-branch top-level Linears convert their weights once for all branches, as a block does.
+        with holding_converted(self.text_embedder) if branched else nullcontext():
+            for text in texts:
+                u = self.text_embedder(text.to(dtype), dtype)
+                xs.append(torch.cat([video, u], dim=1))
+                freqs.append(self.rope_table(grid, text.shape[1], video.device))
         del video  # each branch holds its own copy in xs
 
         t_emb = self.time_embedder(timestep_projection(timestep, cfg.freq_dim), dtype)
@@ -782,7 +784,8 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
 
         shift, scale = self.norm_out_modulation[1](F.silu(t_emb), dtype).float()[:, None, :].chunk(2, dim=-1)
         outs = []
-        for x in ys:
-            x = F.layer_norm(x[:, :n_video].float(), (x.shape[-1],), eps=cfg.norm_eps) * (1 + scale) + shift
-            outs.append(unpatchify(self.proj_out(x, dtype), grid, cfg.out_channels, cfg.patch_size))
+        with holding_converted(self.proj_out) if branched else nullcontext():
+            for x in ys:
+                x = F.layer_norm(x[:, :n_video].float(), (x.shape[-1],), eps=cfg.norm_eps) * (1 + scale) + shift
+                outs.append(unpatchify(self.proj_out(x, dtype), grid, cfg.out_channels, cfg.patch_size))
         return outs if branched else outs[0]

@@ -145,25 +145,97 @@ _TOKEN_SHAPES = re.compile(
     r"|\b(?:sk|hf|ghp|gho|ghu|ghs|ghr|github_pat|glpat|xox[abprs])[-_][A-Za-z0-9_\-]{8,}"
     r"|\bAKIA[0-9A-Z]{16}\b")
 SCRUBBED = "***"
+# The shortest run of a key's characters that is still scrubbed where a server re-encoded the key (base64
+# from an unaligned start keeps only the key's whole 3-byte groups).
+_MIN_FORM_CHARS = 6
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def secret_forms(secret: str) -> list:
+    """The texts a server may echo ``secret`` as: the key itself (in any case), percent-encoded, JSON- and
+    HTML-escaped, and base64 (standard and URL-safe, from each of the three byte alignments at which the
+    key can start inside an encoded run, so ``base64("Bearer <key>")`` is caught too). Longest first."""
+    import base64
+    import html
+
+    forms = {secret, urllib.parse.quote(secret, safe=""), urllib.parse.quote_plus(secret, safe=""),
+             json.dumps(secret)[1:-1], json.dumps(secret, ensure_ascii=False)[1:-1], html.escape(secret)}
+    raw = secret.encode("utf-8")
+    for skip in range(3):  # bytes of the key that share a base64 group with whatever came before it
+        body = raw[skip:]
+        body = body[: len(body) - len(body) % 3]
+        for encode in (base64.b64encode, base64.urlsafe_b64encode):
+            form = encode(body).decode("ascii")
+            if len(form) >= _MIN_FORM_CHARS:
+                forms.add(form)
+    return sorted(forms, key=len, reverse=True)
+
+
+def _secret_pattern(secrets: Iterable[Optional[str]]) -> Optional["re.Pattern"]:
+    forms = [f for s in secrets if s and len(s) >= 4 for f in secret_forms(s)]
+    if not forms:
+        return None
+    # Letters in any case: a server that upper-cases a header or a message upper-cases the key with it
+    # (a base64 form matched in another case only scrubs a little more).
+    return re.compile("|".join(f"(?i:{re.escape(f)})" for f in forms))
 
 
 def scrub(text: str, secrets: Iterable[Optional[str]] = ()) -> str:
     """``text`` that came from a server (an error body, a ``detail``, a header) with every configured
-    key in ``secrets``, and anything shaped like a bearer token or a known key, replaced by ``***``.
+    key in ``secrets`` (as the key, in any case, and in the encodings of :func:`secret_forms`), and
+    anything shaped like a bearer token or a known key, replaced by ``***``.
 
     The one filter between an answer and an exception message, a log line or a host's error: both
     clients pass every text they build from an answer through it."""
     text = str(text)
-    for secret in secrets:
-        if secret and len(secret) >= 4:
-            text = text.replace(secret, SCRUBBED)
+    pattern = _secret_pattern(secrets)
+    if pattern is not None:
+        text = pattern.sub(SCRUBBED, text)
     return _TOKEN_SHAPES.sub(lambda m: (m.group("head") or "") + SCRUBBED, text)
 
 
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other control characters shown as escapes, so a server's text can
+    never start a line of its own in a log (a forged ``ERROR`` line)."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
 def answer_text(raw, secrets: Iterable[Optional[str]] = (), limit: int = 300) -> str:
-    """A server's answer (bytes or text) as a short, scrubbed text for a message: scrubbed first, then cut."""
+    """A server's answer (bytes or text) as a short, scrubbed, one-line text for a message: scrubbed
+    first, then cut (a key across the cut is gone before it could be halved)."""
     text = raw.decode("utf-8", "replace") if isinstance(raw, (bytes, bytearray)) else str(raw)
-    return scrub(text, secrets)[:limit]
+    return one_line(scrub(text, secrets))[:limit]
+
+
+# Caps on what a report carries from a server's structure (a job object): a field is a short text, a
+# structure a few levels and items; the rest is summarised, never copied.
+FIELD_CHARS, STRUCT_DEPTH, STRUCT_ITEMS = 200, 4, 32
+
+
+def scrub_fields(value, secrets: Iterable[Optional[str]] = (), *, depth: int = STRUCT_DEPTH):
+    """A server's JSON ``value`` fit for a report or a log: every string (keys too) scrubbed, made one line
+    and cut to FIELD_CHARS, lists and objects cut to STRUCT_ITEMS entries and STRUCT_DEPTH levels (a
+    deeper part becomes a short summary). Numbers, booleans and None pass as they are."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, str):
+        cut = one_line(scrub(value, secrets))
+        return cut if len(cut) <= FIELD_CHARS else cut[:FIELD_CHARS] + f"… ({len(value):,} characters)"
+    if isinstance(value, (list, tuple, dict)):
+        if depth <= 0:
+            return f"<{type(value).__name__} of {len(value):,} items, not shown>"
+        items = list(value.items() if isinstance(value, dict) else enumerate(value))
+        shown = [(scrub_fields(str(k), secrets), scrub_fields(v, secrets, depth=depth - 1))
+                 for k, v in items[:STRUCT_ITEMS]]
+        out = dict(shown) if isinstance(value, dict) else [v for _, v in shown]
+        if len(items) > STRUCT_ITEMS:
+            more = f"{len(items) - STRUCT_ITEMS:,} more items, not shown"
+            if isinstance(out, dict):
+                out["…"] = more
+            else:
+                out.append(more)
+        return out
+    return f"<{type(value).__name__}, not shown>"
 
 
 def bearer_secrets(headers: Optional[Mapping[str, str]]) -> tuple:
@@ -183,10 +255,13 @@ def content_length(headers, url: str) -> Optional[int]:
     values = headers.get_all("Content-Length") or []
     if not values:
         return None
-    if len(set(v.strip() for v in values)) > 1 or not _ASCII_DIGITS.fullmatch(values[0].strip()):
-        shown = ascii(values[0][:40]) if len(values) == 1 else f"{len(values)} different values"
-        raise BrokenAnswer(f"{url} sent an invalid Content-Length ({shown}); it must be ASCII digits. The server "
-                           "or a proxy in between is broken", url=url)
+    if len(set(v.strip() for v in values)) > 1:
+        raise BrokenAnswer(f"{url} sent {len(values)} different Content-Length headers; an answer has one length. The "
+                           "server or a proxy in between is broken", url=url)
+    if not _ASCII_DIGITS.fullmatch(values[0].strip()):
+        # Its text is not shown: a header a server fills with anything may hold the key it was sent.
+        raise BrokenAnswer(f"{url} sent an invalid Content-Length (a {len(values[0]):,}-character value that is not "
+                           "ASCII digits); it must be ASCII digits. The server or a proxy in between is broken", url=url)
     return int(values[0].strip())
 
 

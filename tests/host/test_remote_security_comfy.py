@@ -280,6 +280,34 @@ def test_a_key_the_server_echoes_is_in_no_message_history_or_log(servers, record
     next_prompt_matches_the_core_client(comfy, home)
 
 
+def test_nested_job_fields_and_hostile_job_ids_reach_no_history_or_log(servers, record_property):
+    """Issue 51, findings 3 and 4: a final job with the key nested in a list and a 2 MiB field; job ids that
+    are not short safe strings (a line feed that forged an ERROR line, 1 MiB, a list)."""
+    comfy, home, _ = servers
+    log_before = comfy.log_path.stat().st_size
+    home.scripts.append(Script(final_fields={"model": [f"Bearer {SECRET}", {"k": SECRET.upper()}], "huge": "y" * (2 << 20)}))
+    prompt = graph()
+    prompt["4"] = {"class_type": "PreviewAny", "inputs": {"source": ["2", 2]}}  # the report, shown in the UI
+    entry = comfy.run(prompt, timeout=120)
+    report = json.dumps(entry["outputs"]["4"])
+    record_property("nested_job_report_chars", len(report))
+    print(f"\nreport of a job with a 2 MiB field and the key nested: {len(report):,} characters in /history")
+    assert len(report) < 2_000 and SECRET not in report and SECRET.upper() not in report, report[:300]
+    for bad, what in (("video_1\nERROR forged by the server", "line feed"), ("v" * (1 << 20), "1 MiB"), (["v"], "list")):
+        home.scripts.append(Script(job_id=bad))
+        err = execution_error(comfy.run(graph(), timeout=120, check=False))["exception_message"]
+        assert "field 'id'" in err and len(err) < 600 and "\n" not in err.rstrip(), (what, err[:200])
+    history = json.dumps(comfy.get("/history"))
+    with open(comfy.log_path, "rb") as f:
+        f.seek(log_before)
+        log = f.read().decode("utf-8", "replace")
+    assert SECRET not in history and SECRET.upper() not in history and SECRET not in log and SECRET.upper() not in log
+    assert not any(line.startswith("ERROR forged") for line in log.splitlines())
+    assert len(log) < 200_000, len(log)  # was 12.6 MB of log for one 1 MiB id
+    record_property("log_bytes_for_four_hostile_jobs", len(log))
+    next_prompt_matches_the_core_client(comfy, home)
+
+
 def test_a_stalled_download_ends_at_the_timeout_and_deletes_the_job(servers, record_property):
     comfy, home, _ = servers
     err, elapsed = run_with_timeout_5(comfy, home, "content", record_property, "stalled_download_timeout5_s")

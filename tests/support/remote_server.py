@@ -63,6 +63,9 @@ class Script:
     poll_raw: Optional[bytes] = None  # the body of every status answer (200, application/json)
     error_message: Optional[str] = None  # the submit error's text; "{auth}" becomes the Authorization received
     length_header: Optional[str] = None  # the content answer's Content-Length value, as sent (e.g. "²")
+    job_id: object = "<fresh>"  # the job's "id" as sent (any JSON value, None too); "<fresh>": "video_<hex>"
+    final_fields: Optional[dict] = None  # merged into the job object when it completes
+    content_headers: tuple = ()  # extra (name, value) headers of the content answer, as sent
 
 
 def pattern(num_frames: int, height: int, width: int, seed: int = 0) -> np.ndarray:
@@ -173,7 +176,7 @@ class VideosServer:
                     data, content_type, length = b"", "text/plain", 0
                     extra = [("Location", location)]
                 else:
-                    extra = []
+                    extra = list(script.content_headers) if script is not None and stage == "content" else []
                 head = [f"HTTP/1.1 {status} {self.responses.get(status, ('',))[0]}\r\n",
                         f"Content-Type: {content_type}\r\n", "Connection: close\r\n"]
                 if length is not None:
@@ -254,11 +257,11 @@ class VideosServer:
             message = (script.error_message or "Internal Server Error: the pipeline crashed (CUDA error)").replace(
                 "{auth}", auth)
             return (*self._error(script.submit_status, message), script)
-        job_id = "video_" + uuid.uuid4().hex[:12]
+        job_id = "video_" + uuid.uuid4().hex[:12] if script.job_id == "<fresh>" else script.job_id
         job = {"id": job_id, "object": "video", "model": fields.get("model"), "status": "queued", "progress": 0,
                "created_at": int(time.time()), "size": fields.get("size"), "seconds": None}
         with self._lock:
-            self.jobs[job_id] = {"job": job, "script": script, "fields": dict(fields), "files": files, "polls": 0}
+            self.jobs[str(job_id)] = {"job": job, "script": script, "fields": dict(fields), "files": files, "polls": 0}
         return 200, job, script
 
     def _advance(self, entry: dict) -> dict:
@@ -278,6 +281,7 @@ class VideosServer:
             return job
         job.update(status="completed", progress=100, completed_at=int(time.time()), inference_time_s=12.5,
                    peak_memory_mb=20480.0)
+        job.update(script.final_fields or {})
         return job
 
     def frames_of(self, job_id: str) -> np.ndarray:
