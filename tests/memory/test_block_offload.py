@@ -661,9 +661,12 @@ def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_im
         pipe.release()
 
 
-def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package, test_image):
-    """Issue 28: with CFG lockstep off every step makes two DiT forwards; the stage expects all of them, so
-    block 0 is prefetched after the last block of every forward but the stage's last one."""
+@pytest.mark.parametrize("windows", [{}, dict(num_frames=13, steps=1, context_frames=9, context_overlap=4,
+                                                output_type="latent")], ids=["one clip", "two context windows"])
+def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package, test_image, windows):
+    """Issue 28: with CFG lockstep off every step makes two DiT forwards (per context window: 13 frames in
+    windows of 9 sharing 4 are two windows); the stage expects all of them, so block 0 is prefetched after
+    the last block of every forward but the stage's last one."""
     pipe = load_pipeline(deep_package, offload="block", device="cpu", cfg_lockstep=False)
     try:
         streamer = pipe.transformer._hf_hook
@@ -677,8 +680,8 @@ def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package,
 
         with mock.patch.object(streamer, "before_block", before_block), fake_accelerator(pipe):
             streamer.execution_device = FAKE
-            pipe.generate("a cat", image=test_image, **RUN)
-        forwards = RUN["steps"] * 2
+            pipe.generate("a cat", image=test_image, **{**RUN, **windows})
+        forwards = {**RUN, **windows}["steps"] * 2 * (2 if windows else 1)
         assert prefetched == [True] * (forwards - 1) + [False]
     finally:
         pipe.release()
@@ -993,6 +996,40 @@ def _comfy_memory_with(monkeypatch, mm):
     monkeypatch.delitem(sys.modules, "fake_pack.nodes.comfy_memory", raising=False)
     assert lingbot_core  # the aliases above point at it
     return importlib.import_module("fake_pack.nodes.comfy_memory")
+
+
+def test_pins_are_given_back_at_stage_start_when_available_ram_falls_below_the_headroom(deep_package, monkeypatch, caplog):
+    """The pin budget keeps PIN_HEADROOM of RAM available: when available RAM falls below it after the homes were
+    pinned (the host is short of memory), the next stage start unlocks the homes missing from it, streamed
+    blocks from the last, nothing else pinning (no ComfyUI pins here)."""
+    import logging
+
+    gib = 1024 ** 3
+    ram = {"available": 64 * gib}
+    monkeypatch.setattr(host_memory, "available_ram", lambda: ram["available"])
+    budget = host_memory.PinBudget(0, headroom=4 * gib)
+    monkeypatch.setattr(host_memory, "_SHARED", budget)
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pins = PinCounter()
+    try:
+        assert pipe.offloader.pins is budget
+        for s in pipe.offloader.streamers():
+            s.execution_device = FAKE
+        dit = pipe.transformer._hf_hook
+        spans = [u.span for u in dit.streamed]
+        budget.total = sum(spans) + 1000  # the six DiT blocks, nothing else fits in the last 1,000 bytes
+        with mock.patch.object(host_memory, "pinned_buffer", pins):
+            with pipe.offloader.stage():
+                pass
+            assert len(spans) == 6 and [u.pinned is not None for u in dit.streamed] == [True] * 6
+            ram["available"] = 4 * gib - sum(spans[3:6]) + 1  # three blocks' worth (less a byte) short of the headroom
+            with caplog.at_level(logging.INFO, logger="lingbot_core"), pipe.offloader.stage():
+                assert [u.pinned is not None for u in dit.streamed] == [True] * 3 + [False] * 3
+                assert budget.used == sum(spans[:3])
+        assert any("unlocked" in r.getMessage() and "RAM headroom" in r.getMessage() for r in caplog.records)
+        assert [b.pinned for b in pins.buffers] == [True] * 3 + [False] * 3
+    finally:
+        pipe.release()
 
 
 def test_comfyuis_own_pins_lower_the_pin_budget_and_are_given_back_at_stage_start(deep_package, monkeypatch, caplog):
