@@ -998,6 +998,19 @@ def _comfy_memory_with(monkeypatch, mm):
     return importlib.import_module("fake_pack.nodes.comfy_memory")
 
 
+def _pinning_pipe(deep_package, budget):
+    """A pipeline in offload ``block`` drawing from the pin budget ``budget``, its streamers on the fake accelerator
+    (so its stages pin), and its streamed DiT blocks' spans; the budget is set to the six DiT blocks' spans and
+    1,000 bytes more (nothing else fits in them)."""
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    assert pipe.offloader.pins is budget
+    for s in pipe.offloader.streamers():
+        s.execution_device = FAKE
+    spans = [u.span for u in pipe.transformer._hf_hook.streamed]
+    budget.total = sum(spans[:6]) + 1000
+    return pipe, spans
+
+
 def test_pins_are_given_back_at_stage_start_when_available_ram_falls_below_the_headroom(deep_package, monkeypatch, caplog):
     """The pin budget keeps PIN_HEADROOM of RAM available: when available RAM falls below it after the homes were
     pinned (the host is short of memory), the next stage start unlocks the homes missing from it, streamed
@@ -1009,15 +1022,10 @@ def test_pins_are_given_back_at_stage_start_when_available_ram_falls_below_the_h
     monkeypatch.setattr(host_memory, "available_ram", lambda: ram["available"])
     budget = host_memory.PinBudget(0, headroom=4 * gib)
     monkeypatch.setattr(host_memory, "_SHARED", budget)
-    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pipe, spans = _pinning_pipe(deep_package, budget)
     pins = PinCounter()
     try:
-        assert pipe.offloader.pins is budget
-        for s in pipe.offloader.streamers():
-            s.execution_device = FAKE
         dit = pipe.transformer._hf_hook
-        spans = [u.span for u in dit.streamed]
-        budget.total = sum(spans) + 1000  # the six DiT blocks, nothing else fits in the last 1,000 bytes
         with mock.patch.object(host_memory, "pinned_buffer", pins):
             with pipe.offloader.stage():
                 pass
@@ -1047,14 +1055,9 @@ def test_comfyuis_own_pins_lower_the_pin_budget_and_are_given_back_at_stage_star
     cm.pipe_pool()
     budget = host_memory.shared_pin_budget()
     assert budget.pinned_elsewhere == cm.comfy_pinned_bytes
-    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pipe, spans = _pinning_pipe(deep_package, budget)
     pins = PinCounter()
     try:
-        assert pipe.offloader.pins is budget
-        for s in pipe.offloader.streamers():
-            s.execution_device = FAKE
-        spans = [u.span for u in pipe.transformer._hf_hook.streamed]
-        budget.total = sum(spans[:6]) + 1000  # six DiT blocks, nothing else fits in the last 1,000 bytes
         mm.TOTAL_PINNED_MEMORY = spans[0] + spans[1]  # ComfyUI has pinned two blocks' worth
         with mock.patch.object(host_memory, "pinned_buffer", pins):
             with pipe.offloader.stage():
