@@ -148,9 +148,9 @@ def test_generate_run_refiner_takes_the_refiner_context_windows(packages, tmp_pa
         assert main(["generate", "--model_dir", str(packages["moe"]), "--mode", "t2v", "--prompt", "a cat",
                      "--num_frames", "17", "--height", "32", "--width", "48", "--steps", "1", "--guidance_scale", "1",
                      "--device", "cpu", "--output", str(out), "--run_refiner", "--refiner_height", "32",
-                     "--refiner_width", "48", "--refiner_steps", "2", "--refiner_context_frames", "9",
-                     "--refiner_context_overlap", "4"]) == 0
+                     "--refiner_width", "48", "--refiner_steps", "2", "--refiner_sigma_tail_steps", "0",
+                     "--refiner_context_frames", "9", "--refiner_context_overlap", "4"]) == 0
     base, refiner = runs
     assert not base["refiner"] and base["dit_frames"] == [5]
-    assert refiner["refiner"] and refiner["dit_frames"] == [3] * 8  # 4 steps (2 + 2 tail steps) x 2 windows
+    assert refiner["refiner"] and refiner["dit_frames"] == [3] * 4  # 2 steps x 2 windows
     assert decode(tmp_path / "base_refined.mp4")[0].shape == (17, 32, 48, 3)
