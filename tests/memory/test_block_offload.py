@@ -661,9 +661,12 @@ def test_block_reset_puts_back_a_failed_text_encoder_layer(deep_package, test_im
         pipe.release()
 
 
-def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package, test_image):
-    """Issue 28: with CFG lockstep off every step makes two DiT forwards; the stage expects all of them, so
-    block 0 is prefetched after the last block of every forward but the stage's last one."""
+@pytest.mark.parametrize("windows", [{}, dict(num_frames=13, steps=1, context_frames=9, context_overlap=4,
+                                                output_type="latent")], ids=["one clip", "two context windows"])
+def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package, test_image, windows):
+    """Issue 28: with CFG lockstep off every step makes two DiT forwards (per context window: 13 frames in
+    windows of 9 sharing 4 are two windows); the stage expects all of them, so block 0 is prefetched after
+    the last block of every forward but the stage's last one."""
     pipe = load_pipeline(deep_package, offload="block", device="cpu", cfg_lockstep=False)
     try:
         streamer = pipe.transformer._hf_hook
@@ -677,8 +680,8 @@ def test_block_prefetches_block_0_across_forwards_outside_lockstep(deep_package,
 
         with mock.patch.object(streamer, "before_block", before_block), fake_accelerator(pipe):
             streamer.execution_device = FAKE
-            pipe.generate("a cat", image=test_image, **RUN)
-        forwards = RUN["steps"] * 2
+            pipe.generate("a cat", image=test_image, **{**RUN, **windows})
+        forwards = {**RUN, **windows}["steps"] * 2 * (2 if windows else 1)
         assert prefetched == [True] * (forwards - 1) + [False]
     finally:
         pipe.release()
@@ -995,6 +998,48 @@ def _comfy_memory_with(monkeypatch, mm):
     return importlib.import_module("fake_pack.nodes.comfy_memory")
 
 
+def _pinning_pipe(deep_package, budget):
+    """A pipeline in offload ``block`` drawing from the pin budget ``budget``, its streamers on the fake accelerator
+    (so its stages pin), and its streamed DiT blocks' spans; the budget is set to the six DiT blocks' spans and
+    1,000 bytes more (nothing else fits in them)."""
+    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    assert pipe.offloader.pins is budget
+    for s in pipe.offloader.streamers():
+        s.execution_device = FAKE
+    spans = [u.span for u in pipe.transformer._hf_hook.streamed]
+    budget.total = sum(spans[:6]) + 1000
+    return pipe, spans
+
+
+def test_pins_are_given_back_at_stage_start_when_available_ram_falls_below_the_headroom(deep_package, monkeypatch, caplog):
+    """The pin budget keeps PIN_HEADROOM of RAM available: when available RAM falls below it after the homes were
+    pinned (the host is short of memory), the next stage start unlocks the homes missing from it, streamed
+    blocks from the last, nothing else pinning (no ComfyUI pins here)."""
+    import logging
+
+    gib = 1024 ** 3
+    ram = {"available": 64 * gib}
+    monkeypatch.setattr(host_memory, "available_ram", lambda: ram["available"])
+    budget = host_memory.PinBudget(0, headroom=4 * gib)
+    monkeypatch.setattr(host_memory, "_SHARED", budget)
+    pipe, spans = _pinning_pipe(deep_package, budget)
+    pins = PinCounter()
+    try:
+        dit = pipe.transformer._hf_hook
+        with mock.patch.object(host_memory, "pinned_buffer", pins):
+            with pipe.offloader.stage():
+                pass
+            assert len(spans) == 6 and [u.pinned is not None for u in dit.streamed] == [True] * 6
+            ram["available"] = 4 * gib - sum(spans[3:6]) + 1  # three blocks' worth (less a byte) short of the headroom
+            with caplog.at_level(logging.INFO, logger="lingbot_core"), pipe.offloader.stage():
+                assert [u.pinned is not None for u in dit.streamed] == [True] * 3 + [False] * 3
+                assert budget.used == sum(spans[:3])
+        assert any("unlocked" in r.getMessage() and "RAM headroom" in r.getMessage() for r in caplog.records)
+        assert [b.pinned for b in pins.buffers] == [True] * 3 + [False] * 3
+    finally:
+        pipe.release()
+
+
 def test_comfyuis_own_pins_lower_the_pin_budget_and_are_given_back_at_stage_start(deep_package, monkeypatch, caplog):
     """gpu-review-4 finding 11: ComfyUI's ``TOTAL_PINNED_MEMORY`` (its own pinned models; it does not count ours) is
     taken off the pack's pin budget when the pool is made. What is pinned is re-checked at every stage start:
@@ -1010,14 +1055,9 @@ def test_comfyuis_own_pins_lower_the_pin_budget_and_are_given_back_at_stage_star
     cm.pipe_pool()
     budget = host_memory.shared_pin_budget()
     assert budget.pinned_elsewhere == cm.comfy_pinned_bytes
-    pipe = load_pipeline(deep_package, offload="block", device="cpu")
+    pipe, spans = _pinning_pipe(deep_package, budget)
     pins = PinCounter()
     try:
-        assert pipe.offloader.pins is budget
-        for s in pipe.offloader.streamers():
-            s.execution_device = FAKE
-        spans = [u.span for u in pipe.transformer._hf_hook.streamed]
-        budget.total = sum(spans[:6]) + 1000  # six DiT blocks, nothing else fits in the last 1,000 bytes
         mm.TOTAL_PINNED_MEMORY = spans[0] + spans[1]  # ComfyUI has pinned two blocks' worth
         with mock.patch.object(host_memory, "pinned_buffer", pins):
             with pipe.offloader.stage():

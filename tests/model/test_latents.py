@@ -16,7 +16,7 @@ from lingbot_core.model.latents import (
     LatentNormalizer, check_video_size, crop_to_aspect, image_to_uint8, latent_shape, preprocess_first_frame,
     resize_frames, vae_tiling,
 )
-from lingbot_core.model.refiner import refiner_frame_indices
+from lingbot_core.model.refiner import refiner_frame_indices, refiner_output_fps
 
 # ---------------------------------------------------------------------------------------------
 # DiT space (§7.2)
@@ -299,6 +299,17 @@ def test_refiner_frames_30fps_resampled():
     assert len(idx) == 96
     assert idx == np.linspace(0, 120, 96).astype(int).tolist()
     assert idx[0] == 0 and idx[-1] == 120
+
+
+@pytest.mark.parametrize("src_fps, frames, kept, out_fps", [(20.0, 100, 100, 20.0), (12.5, 50, 50, 12.5),
+                                                            (24.0, 121, 121, 24.0), (30.0, 121, 96, 24.0),
+                                                            (60.0, 120, 48, 24.0)])
+def test_refined_frames_keep_the_clip_duration_at_their_frame_rate(src_fps, frames, kept, out_fps):
+    """A source slower than the refiner's 24 fps keeps every frame and its own rate; a faster one is resampled to
+    24 fps. Either way the refined video lasts as long as the source (frames / fps)."""
+    assert refiner_output_fps(src_fps) == out_fps
+    assert len(refiner_frame_indices(frames, src_fps)) == kept
+    assert abs(kept / out_fps - frames / src_fps) < 1 / out_fps
 
 
 def test_refiner_frames_max_frames_cap_not_resnapped():

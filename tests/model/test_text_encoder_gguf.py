@@ -296,3 +296,45 @@ def test_offload_block_stages_a_text_layer_at_its_quantized_size(setup):
             layer = k.split(".layers.")[1].split(".")[0]
             layers[layer] = layers.get(layer, 0) + -(-n // 256) * 256
     assert both - dit_only == 2 * max(layers.values())
+
+
+def test_a_text_gguf_of_an_unsupported_type_is_refused_at_load_naming_the_tensor(setup):
+    """A tensor stored in a GGML type the pack cannot dequantize (IQ4_NL here, the token embedding) is refused
+    when the file is loaded, naming the tensor, its type and the types that work; not at the first prompt."""
+    path = setup["root"] / "Qwen3-VL-tiny-IQ4_NL-embed.gguf"
+    write_text_encoder_gguf(path, setup["tiny"], "F32", embed="IQ4_NL")
+    with pytest.raises(ModelPackageError, match=r"tensor 'token_embd.weight' of Qwen3-VL-tiny-IQ4_NL-embed.gguf is "
+                                                r"stored as IQ4_NL, which this pack cannot dequantize; use a file "
+                                                r"quantized to one of Q8_0, .*F32"):
+        load_text_encoder_file(path, torch.float32, config=ff.TINY_TEXT_CONFIG)
+
+
+def _two_listed_out_of_name_order(folder):
+    """Two mmproj names that ``folder`` lists out of name order, as empty files, in name order (or None). Which
+    names do is the file system's: on ext4 a hash of the name, on tmpfs the reverse creation order."""
+    for i in range(8):
+        (folder / f"mmproj-Qwen3-VL-tiny-{i}.gguf").touch()
+    listed = [p.name for p in folder.iterdir()]
+    pair = next(((b, a) for a, b in zip(listed, listed[1:]) if a > b), None)
+    for name in listed:
+        if pair is None or name not in pair:
+            (folder / name).unlink()
+    return pair
+
+
+def test_of_several_usable_mmprojs_the_first_by_name_serves_image_prompts(setup, vision):
+    """Two usable mmproj files beside the text GGUF that the folder lists out of name order: the first by name
+    (its F16 weights, mapped from that file) is the vision tower loaded, whatever the directory order."""
+    model, shared_text = vision
+    folder = setup["root"] / "two-mmprojs"
+    folder.mkdir()
+    names = _two_listed_out_of_name_order(folder)
+    if names is None:
+        pytest.skip("this file system lists a folder in name order: directory order and name order cannot differ")
+    for name, kind in zip(names, ("F16", "F32")):
+        write_mmproj_gguf(folder / name, model, kind, seed=2)  # rewritten in place: the listing keeps its order
+    assert [p.name for p in folder.iterdir()] == list(names[::-1])
+    (folder / "Qwen3-VL-tiny-F32.gguf").symlink_to(shared_text)
+    te = load_text_encoder_file(folder / "Qwen3-VL-tiny-F32.gguf", torch.float32, config=VISION_TEXT_CONFIG)
+    qkv = te.model.visual.blocks[0].attn.qkv
+    assert qkv.weight_qtype.name == "F16" and _in_map(qkv.weight, folder / names[0])

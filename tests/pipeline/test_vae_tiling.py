@@ -73,6 +73,28 @@ def test_v2v_places_one_chunk_at_a_time_and_tiles_as_the_mode_says(model_pipe, m
     assert frames.shape == (FRAMES, H, W, 3) and np.isfinite(frames).all()
 
 
+def test_decode_auto_judges_the_frames_pixels(dense_pipe):
+    """``decode(tiling="auto")`` (what the Generate node calls) tiles when the decoded frames' pixels exceed the
+    threshold, although the latent's cells (8x fewer per side) do not: the frames of "on", in tiles (one decoder
+    call per tile row); at the threshold, the frames of "off", whole."""
+    latent = torch.randn(1, 16, 1, H // 8, W // 8, generator=torch.Generator().manual_seed(2))
+    calls = []
+    handle = dense_pipe.vae.decoder.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with mock.patch.object(latents, "AUTO_TILING_PIXELS", H * W - 1):
+            auto = dense_pipe.decode(latent, tiling="auto")
+            assert len(calls) == 2  # 2 tile rows of the one latent frame
+            assert torch.equal(auto, dense_pipe.decode(latent, tiling="on"))
+        calls.clear()
+        with mock.patch.object(latents, "AUTO_TILING_PIXELS", H * W):
+            whole = dense_pipe.decode(latent, tiling="auto")
+            assert len(calls) == 1
+            assert torch.equal(whole, dense_pipe.decode(latent, tiling="off")) and not torch.equal(whole, auto)
+    finally:
+        handle.remove()
+    assert auto.shape == (1, H, W, 3)
+
+
 def test_the_cli_passes_vae_tiling_to_generate(packages, tmp_path):
     """``generate --vae_tiling on`` reaches pipe.generate (default auto; other values are refused by argparse)."""
     from lingbot_core import cli

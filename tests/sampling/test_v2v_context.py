@@ -298,3 +298,64 @@ def test_v2v_with_an_image_pins_the_first_frame(dense_pipe, test_image):
     cond = dense_pipe.normalizer.to_dit(condition.posterior.sample(torch.Generator().manual_seed(seed))).float()
     assert all(torch.equal(c["x"][:, :, :1], cond) for c in calls) and torch.equal(out[:, :, :1], cond)
     assert not torch.equal(calls[0]["x"][:, :, 1:2], calls[-1]["x"][:, :, 1:2])
+
+
+def test_denoise_below_one_without_a_video_runs_the_full_grid(dense_pipe):
+    """``denoise`` is a video-to-video strength: with no video a plain text-to-video run samples the whole
+    grid (the DiT sees the full grid's timesteps) and gives the latent of denoise 1.0."""
+    run = dict(SIZE, num_frames=5, steps=2, seed=11, guidance_scale=1.0, output_type="latent")
+    with dit_calls(dense_pipe) as calls:
+        got = dense_pipe.generate("a cat", denoise=0.5, **run)
+    assert [int(c["t"].item()) for c in calls] == (flow_grid(2) * 1000).astype(np.int64).tolist()
+    assert torch.equal(got, dense_pipe.generate("a cat", **run))
+
+
+def test_overlapping_windows_blend_their_velocities_linearly(dense_pipe):
+    """One flow-Euler step from sigma 0.8 to 0 (x - 0.8 v), guidance off, 6 latent frames in windows of 4
+    sharing 2: [0, 4) and [2, 6). The shared frames 2 and 3 take 2/3 and 1/3 of the left window's velocity and
+    1/3 and 2/3 of the right one's (the module's linear rule, written out here); the others their window's."""
+    s, seed = 0.8, 5
+    with dit_calls(dense_pipe) as calls:
+        out = dense_pipe.generate("a cat", num_frames=21, sampler="euler", sigmas=[s], guidance_scale=1.0, seed=seed,
+                                  context_frames=13, context_overlap=8, output_type="latent", **SIZE)
+    noise = torch.randn((1, 16, 6, 8, 12), generator=torch.Generator().manual_seed(seed))
+    assert [c["x"].shape[2] for c in calls] == [4, 4]
+    assert torch.equal(calls[0]["x"], noise[:, :, :4]) and torch.equal(calls[1]["x"], noise[:, :, 2:])
+    left, right = calls[0]["out"], calls[1]["out"]
+    v = torch.cat([left[:, :, :2],
+                   left[:, :, 2:3] * (2 / 3) + right[:, :, 0:1] * (1 / 3),
+                   left[:, :, 3:4] * (1 / 3) + right[:, :, 1:2] * (2 / 3),
+                   right[:, :, 2:]], dim=2)
+    torch.testing.assert_close(out, noise - s * v, rtol=0, atol=1e-5)
+
+
+def test_each_window_keeps_its_own_step_cache(dense_pipe, caplog):
+    """Windows that share no frame (overlap 0) evolve as separate clips: with the step cache on, the windowed
+    run equals the two halves sampled alone (guidance off: one branch each), each with its own cache, and computes and skips as many DiT
+    forwards as they do together (a cache shared by the windows would compare one window's input with the
+    other's, and reuse the other's residual)."""
+    import logging
+    import re
+
+    from lingbot_core.sampling.scheduling import sampler_sigmas
+
+    pipe = dense_pipe
+    embeds = pipe.encode_prompt("a cat", num_frames=21, guidance_scale=1.0)
+    start = torch.randn((1, 16, 6, 8, 12), generator=torch.Generator().manual_seed(7))
+    run = dict(sigmas=sampler_sigmas("unipc", 5, 3.0), guidance_scale=1.0, step_cache=0.5)
+
+    def counts():
+        found = [re.search(r"(\d+) of (\d+) DiT forwards computed, (\d+) skipped", r.getMessage()) for r in caplog.records]
+        caplog.clear()
+        return np.array([int(n) for m in found if m for n in m.groups()])
+
+    with caplog.at_level(logging.INFO, logger="lingbot_core"):
+        windowed = pipe.denoise(embeds, start, windows=check_context(9, 0), **run)
+        in_windows = counts()
+        halves = [pipe.denoise(embeds, start[:, :, a:b], **run) for a, b in ((0, 3), (3, 6))]
+        alone = counts()
+    assert list(window_spans(6, 3, 0)) == [(0, 3), (3, 6)]
+    alone = alone.reshape(2, 3)  # (computed, total, skipped) of each half
+    assert (alone[:, 2] > 0).all()  # the cache does skip on these clips
+    np.testing.assert_array_equal(in_windows, alone.sum(axis=0))
+    torch.testing.assert_close(windowed, torch.cat(halves, dim=2), rtol=0, atol=1e-5)
