@@ -140,3 +140,24 @@ def test_prompt_file_lists():
     assert schedule_from_json(["a", {"caption": "b", "duration": 1}]) == (["a", "b"], None)
     with pytest.raises(ValueError, match="start_frame on 1 of its 2 parts"):
         schedule_from_json([{"caption": "a", "start_frame": 0}, "b"])
+
+
+def test_cli_prompt_json_list_is_a_schedule(packages, tmp_path, capsys, caplog):
+    import json
+    import logging
+
+    from lingbot_core.cli import main
+    from lingbot_core.files.video_io import read_video_file
+
+    parts = [{"caption": {"scene": "a kite"}, "duration": 9, "start_frame": 0}, {"caption": "a boat", "start_frame": 6}]
+    (tmp_path / "story.json").write_text(json.dumps(parts), encoding="utf-8")
+    common = ["generate", "--model_dir", str(packages["dense"]), "--prompt_json", str(tmp_path / "story.json"),
+              "--height", "32", "--width", "32", "--steps", "1", "--device", "cpu", "--num_frames", "13"]
+    with caplog.at_level(logging.INFO, logger="lingbot_core"):
+        rc = main(common + ["--context_frames", "9", "--context_overlap", "4", "--output", str(tmp_path / "story.mp4")])
+    assert rc == 0, capsys.readouterr().err
+    # --num_frames sets the length (the first part's duration of 9 s does not); the parts as given
+    assert "prompt schedule: part 1: frames 0-5; part 2: frames 6-12; the windows' parts: 1, 2" in caplog.text
+    assert read_video_file(tmp_path / "story.mp4", max_frames=100, max_side=64)[0].shape[0] == 13
+    assert main(common + ["--output", str(tmp_path / "none.mp4")]) == 2  # no windows
+    assert "needs context windows" in capsys.readouterr().err and not (tmp_path / "none.mp4").exists()
