@@ -9,9 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from lingbot_core.model.latents import latent_shape
 from lingbot_core.model.size_presets import BUCKETS
+from lingbot_core.prompts.prompt_schedule import check_schedule, parse_starts, split_parts, window_parts
+from lingbot_core.prompts.text_conditioning import parse_prompt
+from lingbot_core.sampling.context_windows import centre_frame, check_context
 from support.comfy_host import execution_error
-from support.comfy_graphs import DENSE, alias_package, loader, generate, save_image, saved_frames, widget_inputs
+from support.comfy_graphs import (
+    alias_package, example_as_api, generate, loader, nodes_of, save_image, saved_frames, widget_inputs,
+)
 
 comfy = pytest.mark.comfy
 
@@ -67,3 +73,20 @@ def test_size_preset_is_the_cli_table(comfy_server):
         assert all(spec[1].get("tooltip") for spec in widget_inputs(node).values()), name
         assert len(node["output_tooltips"]) == len(node["output"]), name
     assert widget_inputs(comfy_server.object_info("GenerateVideo"))["prompt_schedule"][0] == "LINGBOT_PROMPT_SCHEDULE"
+
+
+@comfy
+def test_story_example_is_a_valid_workflow_with_the_documented_windows(comfy_server):
+    wf, api = example_as_api("lingbot_story_three_parts", comfy_server.object_info())
+    (sid,) = nodes_of(api, "LingbotPromptSchedule")
+    (gid,) = nodes_of(api, "GenerateVideo")
+    (pid,) = nodes_of(api, "LingbotSizePreset")
+    assert api[gid]["inputs"]["prompt_schedule"] == [sid, 0]
+    assert (api[gid]["inputs"]["width"], api[gid]["inputs"]["height"]) == ([pid, 0], [pid, 1])
+    parts = split_parts(api[sid]["inputs"]["parts"])
+    assert len(parts) == 3 and all(parse_prompt(p).structured for p in parts)
+    # the documented layout: 241 frames in 81-frame windows sharing 24 -> 4 windows, centres 40, 92, 144, 200
+    windows = check_context(api[gid]["inputs"]["context_frames"], api[gid]["inputs"]["context_overlap"])
+    spans = windows.spans(latent_shape(api[gid]["inputs"]["num_frames"], 480, 832)[2])
+    schedule = check_schedule(parts, api[gid]["inputs"]["num_frames"], parse_starts(api[sid]["inputs"]["start_frames"]))
+    assert window_parts(schedule, [centre_frame(s) for s in spans]) == [0, 1, 1, 2]
