@@ -13,15 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-# (H, W) per resolution and H:W ratio, as the reference runner's buckets.
-BUCKETS = {
-    "192p": {"1:1": (192, 192), "9:16": (192, 320), "16:9": (320, 192), "3:4": (192, 256), "4:3": (256, 192)},
-    "480p": {"1:1": (480, 480), "9:16": (480, 832), "16:9": (832, 480), "3:4": (480, 640), "4:3": (640, 480)},
-    "720p": {"1:1": (736, 736), "9:16": (736, 1280), "16:9": (1280, 736), "3:4": (736, 960), "4:3": (960, 736)},
-    "1080p": {"1:1": (1088, 1088), "9:16": (1088, 1920), "16:9": (1920, 1088), "3:4": (1088, 1440), "4:3": (1440, 1088)},
-    "2k": {"1:1": (1440, 1440), "9:16": (1440, 2560), "16:9": (2560, 1440), "3:4": (1440, 1920), "4:3": (1920, 1440)},
-    "4k": {"1:1": (2176, 2176), "9:16": (2176, 3840), "16:9": (3840, 2176), "3:4": (2176, 2880), "4:3": (2880, 2176)},
-}
+from .model.size_presets import BUCKETS, RATIOS  # the reference runner's size buckets, one table with the nodes
 
 
 def _window_flags(parser, frames_flag: str, overlap_flag: str, default_frames: int, off: str) -> None:
@@ -74,12 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mode", choices=["t2i", "t2v", "ti2v"], default="t2v")
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (a JSON caption string or plain text)")
-    src.add_argument("--prompt_json", help="a rewriter prompt.json ({'caption': ..., 'duration': s})")
+    src.add_argument("--prompt_json", help="a rewriter prompt.json ({'caption': ..., 'duration': s}), or a list of parts, "
+                     "a prompt per part of the video ([{'caption': ..., 'start_frame': 0}, ...]; without start_frame "
+                     "spread evenly; needs --context_frames; --num_frames sets the length)")
     g.add_argument("--negative_prompt", default=None, help="negative text (default: the mode's default negative)")
     g.add_argument("--negative_prompt_json", default=None, help="a negative prompt JSON file (serialised compactly)")
     g.add_argument("--image", help="first frame for ti2v")
     g.add_argument("--resolution", choices=sorted(BUCKETS), help="size bucket (with --ratio)")
-    g.add_argument("--ratio", default="9:16", choices=["1:1", "9:16", "16:9", "3:4", "4:3"], help="H:W ratio of the bucket")
+    g.add_argument("--ratio", default="9:16", choices=list(RATIOS), help="H:W ratio of the bucket")
     g.add_argument("--height", type=int, default=None)
     g.add_argument("--width", type=int, default=None)
     g.add_argument("--num_frames", type=int, default=9, help="4n+1 (a JSON duration overrides it)")
@@ -204,6 +198,20 @@ def rewrite(args) -> int:
     return 0
 
 
+def _prompt_schedule(text: str):
+    """A prompt file holding a list of parts -> (prompts, starts or None) (lingbot_core.prompts.prompt_schedule); else None."""
+    from .prompts.prompt_schedule import schedule_from_json
+
+    stripped = text.lstrip("\ufeff").strip()
+    if not stripped.startswith("["):
+        return None
+    try:
+        data = json.loads(stripped)
+    except json.JSONDecodeError:
+        return None  # parse_prompt reports where the JSON is broken
+    return schedule_from_json(data)
+
+
 def _progress(desc: str):
     from tqdm.auto import tqdm
 
@@ -235,7 +243,13 @@ def generate(args) -> int:
     # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
     # the caption, and a validated duration.
     prompt = read_prompt_file(args.prompt_json) if args.prompt_json else args.prompt
-    parsed = parse_prompt(prompt)
+    starts, schedule = None, _prompt_schedule(prompt) if args.prompt_json else None
+    if schedule is not None:  # a list of parts: a prompt per part of the video (--num_frames sets its length)
+        prompt, starts = schedule
+        if args.run_refiner:
+            raise SystemExit("error: --run_refiner takes one prompt, not a prompt schedule; refine the video with "
+                             "`python -m lingbot_core refine --video ... --prompt ...`.")
+    parsed = parse_prompt(prompt if schedule is None else prompt[0])
     for warning in parsed.warnings:
         logging.warning("prompt: %s", warning)
     negative = args.negative_prompt
@@ -248,7 +262,7 @@ def generate(args) -> int:
     if video is not None and args.resolution is None:
         height, width = _snapped(video.shape[1]), _snapped(video.shape[2])  # the source's size
     height, width = args.height or height, args.width or width
-    num_frames = 1 if args.mode == "t2i" else frames_for_prompt(parsed, args.num_frames, args.fps)
+    num_frames = 1 if args.mode == "t2i" else frames_for_prompt(parsed, args.num_frames, args.fps, schedule is None)
     if args.mode == "ti2v" and not args.image:
         raise SystemExit("--mode ti2v needs --image")
     image = Image.open(args.image).convert("RGB") if args.mode == "ti2v" else None
@@ -269,7 +283,7 @@ def generate(args) -> int:
                            shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
                            sampler=args.sampler, sigmas=args.sigmas, video=video, denoise=args.denoise,
                            context_frames=args.context_frames, context_overlap=args.context_overlap,
-                           vae_tiling=args.vae_tiling)
+                           vae_tiling=args.vae_tiling, prompt_starts=starts)
     if num_frames == 1 and video is None:
         out = write_png(frames[0], Path(args.output).with_suffix(".png"))
     else:

@@ -13,7 +13,7 @@ import hashlib
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -30,20 +30,23 @@ from .memory.placement import check_component_devices
 from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .model.block_compile import FirstStepsTimer
 from .model.transformer import converted_bytes
-from .sampling.context_windows import DEFAULT_OVERLAP, REFINER_CONTEXT_FRAMES, ContextWindows, check_context
+from .sampling.context_windows import (
+    DEFAULT_OVERLAP, MAX_CONTEXT_FRAMES, REFINER_CONTEXT_FRAMES, TEMPORAL, ContextWindows, centre_frame, check_context,
+)
 from .sampling.sampler import StepCallback, sample
 from .sampling.scheduling import (
     check_sampler, check_sigmas, denoise_grid_steps, dmd_package_reason, refiner_sigmas, sampler_sigmas,
 )
 from .sampling.speed import SpeedOptions, apply_speed
 from .sampling.step_cache import check_step_cache, make_step_cache
+from .prompts.prompt_schedule import PromptSchedule, check_schedule, window_parts
 from .prompts.text_conditioning import (
     PromptEmbeds, encode_text, parse_prompt, resolve_negative, template_crop_start, vlm_image,
 )
 
 logger = logging.getLogger("lingbot_core")
 
-PROMPT_CACHE_SIZE = 8
+PROMPT_CACHE_SIZE = 16  # a few prompt schedules' parts
 MAX_TI2V_ASPECT = 200  # text_conditioning.smart_resize refuses images more elongated than this
 
 
@@ -102,6 +105,27 @@ def _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames) -> N
     parse_prompt(prompt)
     if negative_prompt is not None:
         resolve_negative(negative_prompt, num_frames)
+
+
+def _schedule_windows(schedule: PromptSchedule, windows: Optional[ContextWindows], length: int,
+                      overlap: int) -> List[int]:
+    """The schedule part of each context window over ``length`` latent frames (centre-frame rule,
+    lingbot_core.prompts.prompt_schedule); without windows, an error that names a window length that fits."""
+    if windows is not None:
+        return window_parts(schedule, [centre_frame(span) for span in windows.spans(length)])
+    fits = None
+    for frames in range(min(MAX_CONTEXT_FRAMES, schedule.num_frames), 4, -1):  # the longest windows that give every part one
+        if (frames - 1) % TEMPORAL == 0 and overlap < frames - 1:
+            try:
+                _schedule_windows(schedule, check_context(frames, overlap), length, overlap)
+            except ValueError:
+                continue
+            fits = frames
+            break
+    hint = f"e.g. context_frames {fits} with context_overlap {overlap}" if fits else "shorter parts are needed"
+    raise ValueError(f"a prompt schedule of {len(schedule.prompts)} parts needs context windows (each window is conditioned "
+                     f"on one part): set context_frames ({hint}; on GenerateVideo's context_frames widget, or the CLI's "
+                     "--context_frames).")
 
 
 OUTPUT_TYPES = ("np", "pt", "latent")
@@ -338,30 +362,44 @@ class LingbotPipeline:
         replaces the negative by zeros with the positive's length (the refiner's default). Results are
         kept in a small per-pipeline LRU cache, so re-running with another seed skips the encoder.
         """
+        return self.encode_prompts([(prompt, negative_prompt)], condition=condition, num_frames=num_frames,
+                                   guidance_scale=guidance_scale, null_negative=null_negative)[0]
+
+    @torch.no_grad()
+    def encode_prompts(self, pairs: Sequence[Tuple[str, Optional[str]]], *, condition: Optional[ImageCondition] = None,
+                       num_frames: int = 121, guidance_scale: float = 3.0, null_negative: bool = False) -> List[PromptEmbeds]:
+        """:meth:`encode_prompt` for several ``(prompt, negative)`` pairs (a prompt schedule's parts): pairs not in
+        the cache are encoded in one stage, each distinct text once (one negative shared by all parts is
+        encoded once)."""
         self._require_loaded()
-        text = parse_prompt(prompt).text
         do_cfg = _check_guidance(guidance_scale) > 1.0
-        neg_text = None if (not do_cfg or null_negative) else resolve_negative(negative_prompt, num_frames)
-        key = (text, neg_text, do_cfg, null_negative, condition.fingerprint() if condition is not None else None)
-        if key in self._prompt_cache:
-            self._prompt_cache.move_to_end(key)
-            return self._prompt_cache[key]
-        image = vlm_image(condition.pixels) if condition is not None else None
-        with self.offloader.stage():
-            # One forward per prompt, as the reference encodes them (B = 1): in a padded two-prompt batch the
-            # shorter prompt's states come out different (measured: up to one bf16 step).
-            self.offloader.expect_forwards(2 if do_cfg and not null_negative else 1, "text_encoder")
-            device = self.offloader.execution_device("text_encoder")
-            positive = encode_text(self.text_encoder, self.processor, text, image, device, self.crop_start)
-            negative = None
-            if do_cfg:
-                negative = (torch.zeros_like(positive) if null_negative
-                            else encode_text(self.text_encoder, self.processor, neg_text, image, device, self.crop_start))
-        embeds = PromptEmbeds(positive, negative, with_image=condition is not None)
-        self._prompt_cache[key] = embeds
-        while len(self._prompt_cache) > PROMPT_CACHE_SIZE:
-            self._prompt_cache.popitem(last=False)
-        return embeds
+        fingerprint = condition.fingerprint() if condition is not None else None
+        keys = []
+        for prompt, negative_prompt in pairs:
+            neg_text = None if (not do_cfg or null_negative) else resolve_negative(negative_prompt, num_frames)
+            keys.append((parse_prompt(prompt).text, neg_text, do_cfg, null_negative, fingerprint))
+        found = {}
+        for key in keys:
+            if key in self._prompt_cache:
+                self._prompt_cache.move_to_end(key)
+                found[key] = self._prompt_cache[key]
+        missing = [k for k in dict.fromkeys(keys) if k not in found]
+        if missing:
+            texts = list(dict.fromkeys([k[0] for k in missing] + [k[1] for k in missing if k[1] is not None]))
+            image = vlm_image(condition.pixels) if condition is not None else None
+            with self.offloader.stage():
+                # One forward per prompt, as the reference encodes them (B = 1): in a padded two-prompt batch the
+                # shorter prompt's states come out different (measured: up to one bf16 step).
+                self.offloader.expect_forwards(len(texts), "text_encoder")
+                device = self.offloader.execution_device("text_encoder")
+                states = {t: encode_text(self.text_encoder, self.processor, t, image, device, self.crop_start) for t in texts}
+            for key in missing:
+                positive = states[key[0]]
+                negative = (torch.zeros_like(positive) if null_negative else states[key[1]]) if do_cfg else None
+                found[key] = self._prompt_cache[key] = PromptEmbeds(positive, negative, with_image=condition is not None)
+            while len(self._prompt_cache) > PROMPT_CACHE_SIZE:
+                self._prompt_cache.popitem(last=False)
+        return [found[key] for key in keys]
 
     @torch.no_grad()
     def encode_image(self, image, height: int, width: int) -> ImageCondition:
@@ -386,7 +424,7 @@ class LingbotPipeline:
             return vae_encode(self.vae, video, self.offloader.execution_device("vae"))
 
     @torch.no_grad()
-    def denoise(self, embeds: PromptEmbeds, latents: torch.Tensor, *, sigmas: Sequence[float],
+    def denoise(self, embeds: Union[PromptEmbeds, Sequence[PromptEmbeds]], latents: torch.Tensor, *, sigmas: Sequence[float],
                 guidance_scale: float = 3.0, condition_latent: Optional[torch.Tensor] = None,
                 callback: Optional[StepCallback] = None, step_cache: float = 0.0,
                 sampler: str = "unipc", generator: Optional[torch.Generator] = None,
@@ -402,6 +440,7 @@ class LingbotPipeline:
         ``callback.interrupt``, when the callback has one (a callable that raises to cancel), also runs before
         each context window's DiT call and before each streamed DiT block under offload ``block``, so a long
         step can be cancelled between windows and blocks (the stage then ends: nothing stays resident).
+        ``embeds`` may be a list with one entry per context window (a prompt schedule, see :meth:`generate`).
         """
         self._require_loaded()
         g = _check_guidance(guidance_scale)
@@ -421,7 +460,10 @@ class LingbotPipeline:
             self.offloader.expect_forwards(len(sigmas) * n_windows * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
             self.offloader.set_interrupt(interrupt)
             device = self.offloader.execution_device("transformer")
-            positive, negative = embeds.to_device(device, self.transformer.compute_dtype)
+            parts = [embeds] if isinstance(embeds, PromptEmbeds) else list(embeds)
+            on_device = {id(e): e.to_device(device, self.transformer.compute_dtype) for e in parts}  # each part once
+            per_window = None if isinstance(embeds, PromptEmbeds) else [on_device[id(e)] for e in parts]
+            positive, negative = on_device[id(parts[0])]
             cond = None if condition_latent is None else condition_latent.to(device=device, dtype=torch.float32)
             try:
                 x = sample(
@@ -429,7 +471,7 @@ class LingbotPipeline:
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
                     lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler, generator=generator,
-                    windows=windows, interrupt=interrupt,
+                    windows=windows, interrupt=interrupt, window_conditions=per_window,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage
@@ -466,13 +508,14 @@ class LingbotPipeline:
 
     # -- runs ------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str, *, negative_prompt: Optional[str] = None, image=None,
+    def generate(self, prompt: Union[str, Sequence[str]], *, negative_prompt=None, image=None,
                  height: int = 480, width: int = 832, num_frames: int = 121, steps: int = 40,
                  guidance_scale: float = 3.0, shift: float = 3.0, seed: int = 42, output_type: str = "np",
                  condition: Optional[ImageCondition] = None, callback: Optional[StepCallback] = None,
                  step_cache: float = 0.0, sampler: str = "auto", sigmas: Optional[Sequence[float]] = None,
                  video=None, video_latent: Optional[torch.Tensor] = None, denoise: float = 1.0,
-                 context_frames: int = 0, context_overlap: int = DEFAULT_OVERLAP, vae_tiling="auto"):
+                 context_frames: int = 0, context_overlap: int = DEFAULT_OVERLAP, vae_tiling="auto",
+                 prompt_starts: Optional[Sequence[int]] = None):
         """T2V (num_frames 4n+1), T2I (num_frames 1), TI2V (``image`` or a precomputed ``condition``) and
         video-to-video (``video`` or ``video_latent`` with ``denoise`` < 1).
 
@@ -504,6 +547,12 @@ class LingbotPipeline:
         on overlapping windows of that length (lingbot_core.sampling.context_windows); a video no longer than
         one window is sampled exactly as without windows.
 
+        A prompt schedule (lingbot_core.prompts.prompt_schedule): ``prompt`` a list of prompts, ``prompt_starts`` their
+        start frames (pixel frames, from 0, strictly increasing; None = evenly spread), ``negative_prompt`` None, one
+        text, or a list of one or one per part. It needs context windows; each window is conditioned on the part
+        holding its centre frame, and every part must condition at least one window. Each distinct text is encoded
+        once. A one-element list is the plain prompt; identical parts give exactly the single-prompt result.
+
         ``vae_tiling`` (``auto``, ``on``, ``off``) applies to the video's encode and the decode: ``on`` uses the
         refiner's spatial tiles (384x640, 288x480 apart) for frames larger than a tile, ``auto`` does so above 720p
         (more than 720x1280 pixels a frame, where an untiled 24 GB card runs out of memory), ``off`` never tiles.
@@ -528,6 +577,17 @@ class LingbotPipeline:
         check_video_size(num_frames, height, width)
         tiling = tiling_enabled(vae_tiling, height, width)
         windows = check_context(context_frames, context_overlap)
+        schedule = window_part = None
+        if not isinstance(prompt, str):
+            schedule = check_schedule(prompt, num_frames, prompt_starts, negative_prompt)
+            if len(schedule.prompts) == 1:
+                prompt, negative_prompt, schedule = schedule.prompts[0], schedule.negatives[0], None
+            else:
+                window_part = _schedule_windows(schedule, windows, latent_shape(num_frames, height, width)[2], context_overlap)
+                logger.info("LingBot-Video prompt schedule: %s; the windows' parts: %s.", schedule.describe(),
+                            ", ".join(str(k + 1) for k in window_part))
+        elif prompt_starts is not None:
+            raise ValueError("prompt_starts needs a list of prompts (a prompt schedule); with one prompt, leave it out.")
         steps, seed = _check_steps(steps), _check_seed(seed)
         check_step_cache(step_cache)
         sampler = self._resolve_sampler(sampler)
@@ -541,7 +601,9 @@ class LingbotPipeline:
                         " ignored: the explicit sigmas run as given" if explicit else
                         f": the last {steps} of a {denoise_grid_steps(steps, denoise)}-step grid")
         _check_output_type(output_type)
-        _check_text_inputs(prompt, negative_prompt, guidance_scale, num_frames)  # before the image is VAE-encoded
+        parts = [(prompt, negative_prompt)] if schedule is None else list(zip(schedule.prompts, schedule.negatives))
+        for part_prompt, part_negative in parts:
+            _check_text_inputs(part_prompt, part_negative, guidance_scale, num_frames)  # before the image is VAE-encoded
         if condition is None and image is not None:
             condition = self.encode_image(image, height, width)
         if condition is not None and condition.size != (height, width):
@@ -553,7 +615,8 @@ class LingbotPipeline:
                 posterior = self.encode_video(pixels, tiling=tiling)
                 video_latent = self.normalizer.to_dit(posterior.sample(torch.Generator("cpu").manual_seed(video_noise_seed(seed))))
             source = video_latent.float()
-        embeds = self.encode_prompt(prompt, negative_prompt, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
+        encoded = self.encode_prompts(parts, condition=condition, num_frames=num_frames, guidance_scale=guidance_scale)
+        embeds = encoded[0] if schedule is None else [encoded[k] for k in window_part]
         generator = torch.Generator("cpu").manual_seed(seed)
         # RNG order: TI2V first-frame posterior draw, the initial noise, then (dmd_student) one draw per ancestral step.
         cond_latent = None

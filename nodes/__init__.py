@@ -6,6 +6,7 @@ from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .remote import LingbotRemoteGenerate, LingbotRemoteServer
 from .sampling import GenerateVideo, Refine
+from .schedule import LingbotPromptSchedule, LingbotSizePreset
 from .speed import LingbotSpeedOptions
 from .vae import LoadLingbotVAE
 
@@ -25,6 +26,8 @@ NODE_CLASS_MAPPINGS = {
     "LoadLingbotLoRA": LoadLingbotLoRA,
     "LingbotRemoteServer": LingbotRemoteServer,
     "LingbotRemoteGenerate": LingbotRemoteGenerate,
+    "LingbotPromptSchedule": LingbotPromptSchedule,
+    "LingbotSizePreset": LingbotSizePreset,
 }
 
 NODE_DISPLAY_NAME_MAPPINGS = {
@@ -43,5 +46,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LoadLingbotLoRA": "LingBot-Video Load LoRA",
     "LingbotRemoteServer": "LingBot-Video Remote Server",
     "LingbotRemoteGenerate": "LingBot-Video Remote Generate",
+    "LingbotPromptSchedule": "LingBot-Video Prompt Schedule",
+    "LingbotSizePreset": "LingBot-Video Size Preset",
 }
 

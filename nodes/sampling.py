@@ -87,6 +87,8 @@ class GenerateVideo:
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                             "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); lower keeps more of the video (with shift 3: 0.3 starts at sigma 0.57, 0.5 at 0.75, 0.7 at 0.88)."}),
                 **_context_inputs(1, "1 = off (the whole video in one pass)."),
+                # A link, not a widget: it takes no place among the widget values.
+                "prompt_schedule": ("LINGBOT_PROMPT_SCHEDULE", {"tooltip": "A prompt per part of the video (LingBot-Video Prompt Schedule). It replaces prompt (leave it empty) and, when it has negatives, negative_prompt; num_frames sets the length (caption durations are not used). Needs context_frames: each window is conditioned on the part at its centre frame, and every part needs a window."}),
                 # Last, so that a saved workflow's widget values keep their places.
                 "vae_tiling": (list(VAE_TILING_MODES), {"default": "auto", "tooltip": "Tiled VAE encode (video-to-video) and decode, with the refiner's 384x640 tiles. auto: tiled above 720p (more than 720x1280 pixels a frame), where an untiled 1080p decode needs 30-40 GB of VRAM; on: always; off: never. Tiles blend over their overlap, so frames differ slightly from untiled ones."}),
             },
@@ -96,18 +98,25 @@ class GenerateVideo:
     def generate(self, pipe, prompt, negative_prompt, width, height, num_frames, steps, guidance_scale, shift, seed,
                  image_condition=None, use_caption_duration=True, fps=24, step_cache=0.0, sampler="auto", sigmas="",
                  video=None, video_latent=None, denoise=1.0, context_frames=1, context_overlap=DEFAULT_OVERLAP,
-                 vae_tiling="auto", unique_id=None):
-        parsed = parse_prompt(prompt)
-        for warning in parsed.warnings:
-            logger.warning("GenerateVideo prompt: %s", warning)
-        num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
+                 vae_tiling="auto", prompt_schedule=None, unique_id=None):
+        negative, starts = negative_from_widget(negative_prompt), None
+        if prompt_schedule is not None:
+            if prompt.strip():
+                logger.info("GenerateVideo: prompt_schedule is connected; the prompt box is not used.")
+            prompt, starts = list(prompt_schedule["prompts"]), prompt_schedule["starts"]
+            negative = prompt_schedule["negatives"] or negative
+        else:
+            parsed = parse_prompt(prompt)
+            for warning in parsed.warnings:
+                logger.warning("GenerateVideo prompt: %s", warning)
+            num_frames = frames_for_prompt(parsed, num_frames, fps, use_caption_duration)
         explicit = parse_sigmas(sigmas or "")
         if video is not None and video_latent is not None:
             raise ValueError("GenerateVideo: connect either video or video_latent, not both.")
         samples = None if video_latent is None else video_latent.get("samples") if isinstance(video_latent, dict) else video_latent
         free_comfy_models()
         latents = pipe.generate(
-            prompt, negative_prompt=negative_from_widget(negative_prompt), condition=image_condition, height=height, width=width,
+            prompt, negative_prompt=negative, prompt_starts=starts, condition=image_condition, height=height, width=width,
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
             output_type="latent", callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
             step_cache=step_cache, sampler=sampler, sigmas=explicit, video=video, video_latent=samples, denoise=denoise,

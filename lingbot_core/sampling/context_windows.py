@@ -109,3 +109,10 @@ def blend_weights(spans: List[Span], length: int) -> List[torch.Tensor]:
     for (start, end), w in zip(spans, raw):
         total[start:end] += w
     return [(w / total[start:end]).float() for (start, end), w in zip(spans, raw)]
+
+
+def centre_frame(span: Span) -> int:
+    """The pixel frame at the centre of a window of latent frames ``[start, end)``: the midpoint of its first
+    and last latent frames' pixel positions (latent frame j sits at pixel frame 4j), ``2 (start + end - 1)``."""
+    start, end = span
+    return (start + end - 1) * TEMPORAL // 2

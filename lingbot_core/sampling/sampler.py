@@ -8,7 +8,7 @@ halves the weight traffic of a streaming offload and gives the same bits as one 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -40,6 +40,7 @@ def sample(
     generator: Optional[torch.Generator] = None,
     windows: Optional[ContextWindows] = None,
     interrupt: Optional[Callable[[], None]] = None,
+    window_conditions: Optional[Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -58,6 +59,8 @@ def sample(
     A ``step_cache`` needs one branch state per CFG branch per window (window-major).
     ``interrupt`` (the host's cancel check, a callable that raises to cancel) runs before every window's DiT
     call when there are several, so a cancel waits for one window, not for a whole step.
+    ``window_conditions`` (a prompt schedule): one ``(positive, negative)`` per window, replacing
+    ``positive`` / ``negative`` for that window's forwards.
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
@@ -75,11 +78,17 @@ def sample(
     # on the execution device once, not per step and window
     weights = None if len(spans) == 1 else [w.to(x.device).view(1, 1, -1, 1, 1) for w in windows.weights(length)]
     per_window = 2 if do_cfg else 1
+    if window_conditions is not None and len(window_conditions) != len(spans):
+        raise ValueError(f"{len(window_conditions)} window conditions for {len(spans)} context windows.")
+
+    def conditions(window):
+        return (positive, negative) if window_conditions is None else window_conditions[window]
 
     def caches(window, *branches):
         return None if step_cache is None else [step_cache.branches[window * per_window + j] for j in branches]
 
     def guided(xw, t_model, window):
+        positive, negative = conditions(window)
         if do_cfg and lockstep:
             v, v_uncond = (o.float() for o in transformer(xw, t_model, [positive, negative], step_cache=caches(window, 0, 1)))
         else:

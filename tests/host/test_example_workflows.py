@@ -44,8 +44,9 @@ def test_the_estimate_counts_the_loaders_widgets_as_the_frontend_drew_them(schem
     loader = schemas["LoadLingbotPipeline"]
     assert (max(loader["slots"], loader["outputs"]), loader["kinds"]) == (1, ["row"] * 9)
     generate = schemas["GenerateVideo"]
-    # since the screenshot: video, video_latent (slots), denoise, context_frames, context_overlap, vae_tiling (rows)
-    assert (max(generate["slots"], generate["outputs"]), generate["kinds"]) == (4, ["multiline"] * 2 + ["row"] * 17)
+    # since the screenshot: video, video_latent, prompt_schedule (slots), denoise, context_frames, context_overlap,
+    # vae_tiling (rows)
+    assert (max(generate["slots"], generate["outputs"]), generate["kinds"]) == (5, ["multiline"] * 2 + ["row"] * 17)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=[p.stem for p in WORKFLOWS])

@@ -239,3 +239,22 @@ def test_image_negative_ignores_the_video_only_toggle(server):
     assert execution_error(entry) is None, execution_error(entry)["exception_message"]
     image_sha = "7e277788a8bb3d2fb0a2a4109316c544345fefff1c22868861c90741b0c47e7b"  # lingbot-video-model.md §6.7
     assert hashlib.sha256(preview_text(entry, "2").encode("utf-8")).hexdigest() == image_sha
+
+
+@comfy
+def test_prompt_schedule_rewrites_each_prose_part_for_its_length(server, chat):
+    caption = json.dumps({"comprehensive_description": {"scene_content_description": "A boat drifts."}})
+    graph = {"1": rewriter_node(chat.url),
+             "2": {"class_type": "LingbotPromptSchedule",
+                   "inputs": {"parts": f"a red kite\n---\n{caption}\n---\na kite lands", "start_frames": "0, 24, 72",
+                              "negative_prompt": "", "rewriter": ["1", 0], "num_frames": 121, "fps": 24, "seed": 0}},
+             "3": preview("2")}
+    out = json.loads(preview_text(server.run(graph), "3"))
+    assert out["starts"] == [0, 24, 72] and out["negatives"] is None
+    assert [json.loads(p) for p in out["prompts"]] == [{"caption": CAPTION, "duration": 1}, json.loads(caption),
+                                                        {"caption": CAPTION, "duration": 2}]
+    bodies = chat.bodies()  # two steps per prose part; the JSON part is kept as written
+    assert [b["model"] for b in bodies] == [BASE, LORA, BASE, LORA]
+    durations = [re.search(r"Video Duration: (\d+) seconds", b["messages"][0]["content"][-1]["text"]).group(1)
+                 for b in bodies[::2]]
+    assert durations == ["1", "2"]  # frames 0-23 (1 s) and 72-120 (49 frames, 2 s at 24 fps)
