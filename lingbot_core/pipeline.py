@@ -1,5 +1,6 @@
-"""``LingbotPipeline``: the stages (prompt encode, image/video encode, denoise, decode) and the two
-end-to-end runs built from them (``generate`` for T2V/T2I/TI2V, ``refine`` for the refiner pass).
+"""``LingbotPipeline``: the stages (prompt encode, image/video encode, denoise, decode) and the
+end-to-end runs built from them (``generate`` for T2V/T2I/TI2V, ``extend`` to continue a clip, ``refine``
+for the refiner pass).
 
 Every stage can be called alone, in any order: each runs inside ``Offloader.stage()`` (nothing
 resident before or after it, also on error), places its inputs on its component's *execution*
@@ -27,12 +28,14 @@ from .model.lora import LoraStack, apply_stack, describe_stack, lora_targets, no
 from .memory.budget import trim_heap
 from .memory.offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .memory.placement import check_component_devices
+from .model.color_match import check_color_match, match_color
 from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
 from .model.block_compile import FirstStepsTimer
 from .model.transformer import converted_bytes
 from .sampling.context_windows import (
     DEFAULT_OVERLAP, MAX_CONTEXT_FRAMES, REFINER_CONTEXT_FRAMES, TEMPORAL, ContextWindows, centre_frame, check_context,
 )
+from .sampling.extend import check_extend, join, tail_pixels
 from .sampling.sampler import StepCallback, sample
 from .sampling.scheduling import (
     check_sampler, check_sigmas, denoise_grid_steps, dmd_package_reason, refiner_sigmas, sampler_sigmas,
@@ -48,11 +51,18 @@ logger = logging.getLogger("lingbot_core")
 
 PROMPT_CACHE_SIZE = 16  # a few prompt schedules' parts
 MAX_TI2V_ASPECT = 200  # text_conditioning.smart_resize refuses images more elongated than this
+REFINER_CANNOT_GENERATE = ("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' "
+                           "to generate.")
+# What extend sets itself for the run it makes (the other generate options pass through).
+EXTEND_SETS = frozenset({"image", "condition", "video", "video_latent", "denoise", "height", "width", "num_frames"})
 
 
 @dataclass
 class ImageCondition:
-    """A preprocessed TI2V first frame: its VAE posterior and the pixels the VLM sees (both CPU)."""
+    """A preprocessed TI2V first frame: its VAE posterior and the pixels the VLM sees (both CPU).
+
+    For :meth:`LingbotPipeline.extend` the posterior is the encoded tail of the clip (1 + 4k frames: k + 1
+    latent frames, all pinned at the new clip's head) and the pixels are its first frame."""
 
     posterior: Posterior
     pixels: torch.Tensor  # (1, 3, 1, H, W) float in [0, 1]
@@ -561,7 +571,7 @@ class LingbotPipeline:
         """
         self._require_loaded()
         if self.is_refiner:
-            raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
+            raise ValueError(REFINER_CANNOT_GENERATE)
         if video is not None and video_latent is not None:
             raise ValueError("give either video (frames) or video_latent, not both.")
         denoise = _check_denoise(denoise)
@@ -608,6 +618,9 @@ class LingbotPipeline:
             condition = self.encode_image(image, height, width)
         if condition is not None and condition.size != (height, width):
             raise ValueError(f"the image condition was encoded at {condition.size[0]}x{condition.size[1]} but the video is {height}x{width}; encode it at the video size.")
+        if condition is not None and condition.posterior.latent_frames > latent_shape(num_frames, height, width)[2]:
+            raise ValueError(f"the condition pins {condition.posterior.latent_frames} latent frames but a {num_frames}-frame video "
+                             "has fewer; make the video longer.")
         source = None
         if v2v:
             if video_latent is None:
@@ -630,6 +643,49 @@ class LingbotPipeline:
         if output_type == "latent":
             return latents
         return _output(self.decode(latents, num_frames=keep, tiling=tiling), output_type)
+
+    def extend(self, video, prompt: str, *, new_frames: int, keep_frames: int = 1, color_match: str = "off",
+               vae_tiling="auto", output_type: str = "np", **options):
+        """Continue a clip: ``video`` (T, H, W, 3) in [0, 1] followed by ``new_frames`` (4n) new frames, at the video's size.
+
+        The new frames are the tail of an image-to-video run of ``keep_frames + new_frames`` frames whose first
+        ``keep_frames`` (1 + 4k) frames are the video's last ones, encoded and pinned as clean latent frames before
+        sampling and after every step (lingbot_core.sampling.extend). ``keep_frames`` 1 is image-to-video from the
+        last frame (the same frames, bit for bit); 5 or 9 carry the motion across the seam. The text encoder sees
+        the pinned head's first frame, as it sees a TI2V image. The input's frames come back unchanged, then the new
+        ones: no frame twice. ``color_match`` ("off", "mean-std": lingbot_core.model.color_match) maps the new
+        frames' colour statistics to the last input frame's. ``output_type`` "np" or "pt".
+
+        ``options`` are :meth:`generate`'s (steps, guidance_scale, shift, seed, negative_prompt, sampler, sigmas,
+        step_cache, context_frames, context_overlap, callback); the size, the length and the conditioning are
+        extend's own. RNG order as TI2V: the tail's posterior draw, then the noise. ``vae_tiling`` as in
+        :meth:`generate`, also for the tail's encode when it is longer than one frame (one frame never tiles, as
+        TI2V's image).
+        """
+        self._require_loaded()
+        if self.is_refiner:
+            raise ValueError(REFINER_CANNOT_GENERATE)
+        taken = sorted(EXTEND_SETS & set(options))
+        if taken:
+            raise ValueError(f"extend sets {', '.join(taken)} itself (the video's size, keep_frames + new_frames frames, "
+                             "its tail as the condition); leave them out.")
+        if output_type not in ("np", "pt"):
+            raise ValueError(f"output_type={output_type!r} is not allowed for extend: use 'np' or 'pt' (the joined frames).")
+        check_color_match(color_match)
+        video = video if isinstance(video, torch.Tensor) else torch.as_tensor(np.asarray(video))
+        plan = check_extend(video.shape, keep_frames, new_frames)
+        video = _video_frames(video)
+        check_ti2v_size(plan.height, plan.width)
+        parse_prompt(prompt)  # a bad prompt fails before the tail's VAE encode
+        pixels = tail_pixels(video, plan)
+        # One frame is image-to-video's own encode (never tiled), so keep_frames 1 equals TI2V at every size.
+        tiling = plan.keep > 1 and tiling_enabled(vae_tiling, plan.height, plan.width)
+        condition = ImageCondition(self.encode_video(pixels, tiling=tiling), pixels[:, :, :1])
+        clip = self.generate(prompt, condition=condition, height=plan.height, width=plan.width,
+                             num_frames=plan.clip_frames, vae_tiling=vae_tiling, output_type="pt", **options)
+        joined = join(video, clip, plan)
+        joined[video.shape[0]:] = match_color(joined[video.shape[0]:], video[-1], color_match)
+        return _output(joined, output_type)
 
     def _check_video_latent(self, latent: torch.Tensor) -> torch.Tensor:
         channels = self.transformer.config.in_channels

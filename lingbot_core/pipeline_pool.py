@@ -40,7 +40,8 @@ from .memory.budget import (
 )
 from .memory.block_streaming import ring_staging_bytes
 from .memory.offload import check_blocks_on_gpu, check_offload_mode, resolve_device
-from .pipeline import LingbotPipeline
+from .pipeline import REFINER_CANNOT_GENERATE, LingbotPipeline
+from .sampling.extend import check_extend
 from .sampling.speed import SpeedOptions
 from .memory.placement import check_component_devices
 
@@ -452,8 +453,14 @@ class LazyPipeline:
 
     def generate(self, *args, **kwargs):
         if self.is_refiner:  # refuse before loading anything
-            raise ValueError("this pipeline holds the refiner DiT, which only refines videos; load transformer='transformer' to generate.")
+            raise ValueError(REFINER_CANNOT_GENERATE)
         return self._run("generate", *args, **kwargs)
+
+    def extend(self, video, *args, new_frames: int, keep_frames: int = 1, **kwargs):
+        if self.is_refiner:  # refuse before loading anything
+            raise ValueError(REFINER_CANNOT_GENERATE)
+        check_extend(video.shape, keep_frames, new_frames)  # bad lengths and sizes too
+        return self._run("extend", video, *args, new_frames=new_frames, keep_frames=keep_frames, **kwargs)
 
     def refine(self, *args, **kwargs):
         if not self.is_refiner:

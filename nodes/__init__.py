@@ -1,6 +1,7 @@
 """ComfyUI adapters onto lingbot_core: the node classes and their registration."""
 
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
+from .extend import ExtendVideo
 from .loader import LoadLingbotPipeline, LoadLingbotPipelineFiles, UnloadLingbotPipeline
 from .lora import LoadLingbotLoRA
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
@@ -16,6 +17,7 @@ NODE_CLASS_MAPPINGS = {
     "EncodeImageVAE": EncodeImageVAE,
     "GenerateVideo": GenerateVideo,
     "Refine": Refine,
+    "ExtendVideo": ExtendVideo,
     "LoadLingbotPrompt": LoadLingbotPrompt,
     "UnloadLingbotPipeline": UnloadLingbotPipeline,
     "LingbotRewriterServer": LingbotRewriterServer,
@@ -36,6 +38,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "EncodeImageVAE": "LingBot-Video Encode Image (VAE)",
     "GenerateVideo": "LingBot-Video Generate",
     "Refine": "LingBot-Video Refine",
+    "ExtendVideo": "LingBot-Video Extend Video",
     "LoadLingbotPrompt": "LingBot-Video Load Prompt JSON",
     "UnloadLingbotPipeline": "LingBot-Video Unload Pipeline",
     "LingbotRewriterServer": "LingBot-Video Rewriter Server",

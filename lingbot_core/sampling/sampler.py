@@ -46,7 +46,8 @@ def sample(
 
     Guidance is ``v_u + g (v_c - v_u)`` in fp32 with two batch-1 forwards per step, cond first. The DiT
     receives the reference's rounded timestep for its dtype; the solver uses the exact fp32 sigmas.
-    ``condition_latent`` is written into latent frame 0 before the first step and after every step.
+    ``condition_latent`` (1, C, n, h, w) is written into the first n latent frames before the first step and
+    after every step: n = 1 for image-to-video's first frame, more for the tail of a clip being extended.
     ``lockstep`` runs both branches in one DiT call; ``step_cache`` (one branch state per CFG branch,
     cond first) may skip the block stack of a branch on a step. ``sampler`` is ``unipc`` (the reference),
     ``euler`` (flow Euler, :class:`FlowEulerScheduler`) or ``dmd_student`` (:class:`DMDStudentSampler`,
@@ -54,7 +55,7 @@ def sample(
 
     ``windows`` (:mod:`.context_windows`): the DiT runs on each window of latent frames as a standalone
     clip and the guided velocities are blended; the solver steps the whole latent. ``condition_latent``
-    is written into the whole latent, so only the window holding frame 0 sees it. With one window (a
+    is written into the whole latent, so only the windows holding its frames see it. With one window (a
     video no longer than a window, or ``windows`` None) the DiT gets the whole latent, as before.
     A ``step_cache`` needs one branch state per CFG branch per window (window-major).
     ``interrupt`` (the host's cancel check, a callable that raises to cancel) runs before every window's DiT
@@ -69,7 +70,7 @@ def sample(
     dtype = transformer.compute_dtype
     x = latents.clone()
     if condition_latent is not None:
-        x[:, :, :1] = condition_latent
+        x[:, :, :condition_latent.shape[2]] = condition_latent
     total = len(scheduler.timesteps)
     status = getattr(callback, "status", None)
 
@@ -117,7 +118,7 @@ def sample(
         x0 = x - scheduler.sigmas[i].item() * v
         x = scheduler.step(v, t, x).prev_sample
         if condition_latent is not None:
-            x[:, :, :1] = condition_latent
+            x[:, :, :condition_latent.shape[2]] = condition_latent
         if callback is not None:
             callback(i, total, x0)
         if status is not None and step_cache is not None:

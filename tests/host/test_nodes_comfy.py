@@ -41,7 +41,7 @@ comfy = pytest.mark.comfy
 
 WORKFLOWS = ("lingbot_t2v", "lingbot_ti2v", "lingbot_ti2v_refine")
 
-PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "LoadLingbotPrompt",
+PACK_NODES = ("LoadLingbotPipeline", "EncodeImageVAE", "GenerateVideo", "Refine", "ExtendVideo", "LoadLingbotPrompt",
               "UnloadLingbotPipeline", "LoadLingbotVAE", "LingbotRewriterServer", "LingbotRewritePrompt",
               "LingbotNegativePrompt", "LingbotSpeedOptions", "LoadLingbotLoRA", "LingbotRemoteServer",
               "LingbotRemoteGenerate")

@@ -16,8 +16,9 @@ WORKFLOWS = sorted(p.stem for p in EXAMPLES.glob("*.json"))
 
 
 def test_every_example_workflow_is_listed_with_a_jpeg_thumbnail(comfy_server):
-    assert WORKFLOWS == ["lingbot_moe_4step_lora", "lingbot_moe_dmd_8step", "lingbot_moe_gguf_4step_lora",
-                         "lingbot_prose_ti2v_refine", "lingbot_remote_t2v", "lingbot_story_three_parts", "lingbot_t2v", "lingbot_ti2v",
+    assert WORKFLOWS == ["lingbot_extend_chain_refine", "lingbot_moe_4step_lora", "lingbot_moe_dmd_8step",
+                         "lingbot_moe_gguf_4step_lora", "lingbot_prose_ti2v_refine", "lingbot_remote_t2v",
+                         "lingbot_story_three_parts", "lingbot_t2v", "lingbot_ti2v",
                          "lingbot_ti2v_refine", "lingbot_upscale_any_video_1080p", "lingbot_v2v_restyle"]
     assert sorted(comfy_server.get("/workflow_templates")[PACK_NAME]) == WORKFLOWS
     for name in WORKFLOWS:
