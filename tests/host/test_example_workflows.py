@@ -29,9 +29,23 @@ def schemas():
     if reason:
         pytest.skip(reason)
     types = {n["type"] for p in WORKFLOWS for n in load(p)["nodes"]} - FRONTEND_ONLY
-    found = node_schemas(types)
-    assert set(found) == types, f"not registered in ComfyUI: {sorted(types - set(found))}"
+    found = node_schemas(types, WORKFLOWS)
+    inputs = found.pop("__inputs__")
+    found["__inputs__"] = inputs
+    assert set(found) - {"__inputs__"} == types, f"not registered in ComfyUI: {sorted(types - set(found))}"
     return found
+
+
+def test_every_examples_input_files_load_in_comfyui_on_a_fresh_install(schemas):
+    # The schema child's ComfyUI started on an empty input/ folder: the pack placed the files there,
+    # and each example's Load Image / Load Video offers, validates and loads its file as stored.
+    runs = schemas["__inputs__"]
+    users = {p.stem for p in WORKFLOWS if any(n["type"] in ("LoadImage", "LoadVideo") for n in load(p)["nodes"])}
+    assert {key.split()[0] for key in runs} == users and len(users) >= 6
+    bad = {key: run for key, run in runs.items() if not (run["offered"] and run["status"] == "success")}
+    assert not bad, bad
+    for key, run in runs.items():  # the image once; the video's 17 frames, 4n+1 as the model takes them
+        assert run["images"] == (1 if key.endswith("LoadImage") else 17), (key, run)
 
 
 @pytest.mark.parametrize("node, rows, kinds, height", CALIBRATION, ids=[c[0] for c in CALIBRATION])
@@ -76,3 +90,27 @@ def test_the_readme_lists_every_example_workflow_and_no_other():
     assert rows == {p.name for p in WORKFLOWS}
     assert {m for m in re.findall(r"lingbot_\w+\.json", section)} == {p.name for p in WORKFLOWS}
     assert "schematic" not in section  # the thumbnails are screenshots (scripts/screenshot_workflow.py)
+
+
+def _example_inputs_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lingbot_example_inputs", EXAMPLES.parent / "nodes" / "example_inputs.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_example_inputs_never_replace_a_users_file_and_a_failed_copy_does_not_raise(tmp_path):
+    place = _example_inputs_module().place
+    png, mp4 = "lingbot_example_input.png", "lingbot_example_input.mp4"
+    (tmp_path / png).write_bytes(b"the user's own picture")
+    assert place(tmp_path) == ([mp4], [])
+    assert (tmp_path / png).read_bytes() == b"the user's own picture"
+    assert (tmp_path / mp4).read_bytes() == (EXAMPLES / mp4).read_bytes()
+    assert place(tmp_path) == ([], [])  # the second start: nothing to do
+    blocked = tmp_path / "not-a-folder"
+    blocked.write_bytes(b"")  # an input "folder" that is a file: every copy fails, nothing raises
+    copied, failed = place(blocked)
+    assert copied == [] and [f.split(":")[0] for f in failed] == [png, mp4]
+    assert sum(p.stat().st_size for p in EXAMPLES.glob("lingbot_example_input.*")) < 100_000  # small enough to ship

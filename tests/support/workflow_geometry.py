@@ -111,11 +111,13 @@ def note_columns(node: dict) -> int:
 # Node schemas from ComfyUI's registry (child process)
 # --------------------------------------------------------------------------------------------
 
-def node_schemas(class_types, timeout: float = 300) -> dict:
-    """{class: {"slots", "outputs", "kinds"}} for classes registered in ComfyUI with the pack loaded."""
+def node_schemas(class_types, workflows=(), timeout: float = 300) -> dict:
+    """{class: {"slots", "outputs", "kinds"}} for classes registered in ComfyUI with the pack loaded, and
+    under ``"__inputs__"`` what :func:`_input_runs` saw of ``workflows``' input files."""
     with tempfile.TemporaryDirectory(prefix="lingbot-geometry-") as tmp:
         out = Path(tmp) / "schemas.json"
-        cmd = [sys.executable, __file__, str(out), str(Path(tmp) / "base"), *sorted(set(class_types))]
+        cmd = [sys.executable, __file__, str(out), str(Path(tmp) / "base"), ",".join(map(str, workflows)),
+               *sorted(set(class_types))]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         if proc.returncode != 0 or not out.is_file():
@@ -123,11 +125,41 @@ def node_schemas(class_types, timeout: float = 300) -> dict:
         return json.loads(out.read_text())
 
 
-def _child(out: str, base: str, class_types: list[str]) -> None:
+#: ComfyUI's file-loading nodes of the examples: (widget holding the file name, graph that runs it).
+INPUT_NODES = {
+    "LoadImage": lambda name: {"1": {"class_type": "LoadImage", "inputs": {"image": name}},
+                               "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}}},
+    "LoadVideo": lambda name: {"1": {"class_type": "LoadVideo", "inputs": {"file": name}},
+                               "2": {"class_type": "GetVideoComponents", "inputs": {"video": ["1", 0]}},
+                               "3": {"class_type": "PreviewImage", "inputs": {"images": ["2", 0]}}},
+}
+
+
+def _input_runs(comfy, workflows) -> dict:
+    """Each example's Load Image / Load Video, as stored, run by ComfyUI: offered in the node's file list,
+    validated (its ``VALIDATE_INPUTS`` resolves the name in the input folder) and executed."""
+    runs = {}
+    for path in workflows:
+        for node in json.loads(Path(path).read_text(encoding="utf-8"))["nodes"]:
+            if node["type"] not in INPUT_NODES:
+                continue
+            name = node["widgets_values"][0]
+            spec = comfy.node_class(node["type"]).INPUT_TYPES()["required"]
+            kind, *opts = next(iter(spec.values()))
+            options = kind if isinstance(kind, list) else (opts[0] if opts else {}).get("options", [])  # V3: ("COMBO", {options})
+            result = comfy.run(INPUT_NODES[node["type"]](name))
+            images = [i for out in result["outputs"].values() for i in out.get("images", [])]
+            runs[f"{Path(path).stem} {node['id']} {node['type']}"] = {
+                "file": name, "offered": name in options, "status": result["status"], "images": len(images),
+                "problem": result["validation"] or result["error"]}
+    return runs
+
+
+def _child(out: str, base: str, workflows: str, class_types: list[str]) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the support package
     from support.comfy_inprocess import InProcessComfy
 
-    comfy = InProcessComfy(base)
+    comfy = InProcessComfy(base)  # a fresh base directory: input/ is empty until the pack loads
     schemas = {}
     for class_type in class_types:
         cls = comfy.nodes.NODE_CLASS_MAPPINGS.get(class_type)
@@ -135,8 +167,9 @@ def _child(out: str, base: str, class_types: list[str]) -> None:
             continue  # frontend-only (Note) or missing: the caller decides
         slots, kinds = widget_kinds(cls.INPUT_TYPES())
         schemas[class_type] = {"slots": slots, "outputs": len(cls.RETURN_TYPES), "kinds": kinds}
+    schemas["__inputs__"] = _input_runs(comfy, [w for w in workflows.split(",") if w])
     Path(out).write_text(json.dumps(schemas))
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], sys.argv[2], sys.argv[3:])
+    _child(sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4:])
