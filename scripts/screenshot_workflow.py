@@ -230,7 +230,7 @@ def launch_chromium(binary: str, profile: Path, width: int, height: int):
 LOAD = """(async () => {
   const app = window.app, store = app.extensionManager.workflow;
   await store.syncWorkflows();
-  await app.loadGraphData(%(workflow)s, true, true, %(name)s);
+  await app.loadGraphData(%(workflow)s, true, true, %(name)s, %(options)s);
   const active = store.activeWorkflow;
   for (const w of [...store.openWorkflows]) if (w !== active) await store.closeWorkflow(w);
   return store.openWorkflows.map(w => ({path: w.path, persisted: w.isPersisted,
@@ -310,7 +310,11 @@ LAYOUT = """(() => {
     textareas: [...document.querySelectorAll('textarea')].map(t => {
       const cs = getComputedStyle(t), ctx = document.createElement('canvas').getContext('2d');
       ctx.font = cs.font;
+      const c = window.app.canvas, r = c.canvas.getBoundingClientRect(), s = c.ds.scale, o = c.ds.offset;
+      const b = t.getBoundingClientRect();
       return {font: cs.font, padding: [cs.paddingLeft, cs.paddingRight], width: t.clientWidth,
+              line: cs.lineHeight, box: [(b.left - r.left) / s - o[0], (b.top - r.top) / s - o[1],
+                                         (b.right - r.left) / s - o[0], (b.bottom - r.top) / s - o[1]],
               char_width: ctx.measureText('x'.repeat(100)).width / 100,
               text: t.value.slice(0, 40)};
     }),
@@ -368,6 +372,8 @@ def parse_args(argv):
     ap.add_argument("--as-opened", action="store_true",
                     help="keep the view the frontend chose on opening (the workflow's stored extra.ds, or its own "
                          "fit) instead of fitting the graph: what a user sees first")
+    ap.add_argument("--as-template", action="store_true",
+                    help="with --as-opened: open the workflow as the template browser does (1.58.1 fits the graph)")
     ap.add_argument("--frontend-root", type=Path,
                     help="serve this frontend build (ComfyUI's --front-end-root), e.g. the static/ folder of "
                          "pip install --target DIR comfyui-frontend-package==1.58.1")
@@ -405,7 +411,10 @@ def shoot(cdp: CDP, server, workflow_path: Path, out: Path, layout_path: Path | 
     status, _ = server.post(f"/userdata/{saved}?overwrite=true", workflow)
     if status != 200:
         raise RuntimeError(f"POST /userdata/{saved} answered {status}")
-    tabs = cdp.evaluate(LOAD % {"workflow": json.dumps(workflow), "name": json.dumps(workflow_path.stem)})
+    # As the template browser opens it (frontend >= 1.5x then fits the graph, ignoring the stored view)
+    options = json.dumps({"openSource": "template"} if args.as_template else {})
+    tabs = cdp.evaluate(LOAD % {"workflow": json.dumps(workflow), "name": json.dumps(workflow_path.stem),
+                                "options": options})
     print(f"[shot] open workflow tabs: {tabs}", flush=True)
     n_nodes = wait_for(cdp, "window.app.graph._nodes.length", 30, "the workflow's nodes")
     print(f"[shot] loaded {workflow_path.name}: {n_nodes} nodes", flush=True)
