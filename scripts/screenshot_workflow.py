@@ -485,15 +485,17 @@ def main(argv: list[str] | None = None) -> int:
         cdp.call("Page.enable")
         cdp.call("Runtime.enable")
         cdp.call("Page.addScriptToEvaluateOnNewDocument", source=PRELOAD)
-        cdp.call("Page.navigate", url=server.url + "/")
-        wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
-        version = cdp.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
-        print(f"[shot] frontend {version}{' (Nodes 2.0)' if args.vue_nodes else ''}", flush=True)
-        time.sleep(1.5)  # let start-up extensions settle (first-run dialogs, etc.)
-        for _ in range(2):
-            cdp.key("Escape", "Escape", 27)
-            cdp.evaluate(DISMISS)
         for workflow, out, layout_path in jobs(args):
+            # a fresh page for each workflow: the app is in the state a user opening it finds
+            cdp.call("Page.navigate", url=server.url + "/")
+            time.sleep(0.5)
+            wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
+            version = cdp.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
+            print(f"[shot] frontend {version}{' (Nodes 2.0)' if args.vue_nodes else ''}", flush=True)
+            time.sleep(1.5)  # let start-up extensions settle (first-run dialogs, etc.)
+            for _ in range(2):
+                cdp.key("Escape", "Escape", 27)
+                cdp.evaluate(DISMISS)
             shoot(cdp, server, workflow, out, layout_path, args)
     finally:
         if cdp is not None:

@@ -80,7 +80,7 @@ def test_context_options_are_checked():
     assert check_context(0, 24) is None
     w = check_context(121, 24)
     assert (w.size, w.overlap) == (31, 6)
-    for frames, overlap in ((120, 24), (1, 0), (121, 22), (121, 120), (9, 8), (9, -4)):
+    for frames, overlap in ((120, 24), (3, 0), (121, 22), (121, 120), (9, 8), (9, -4)):
         with pytest.raises(ValueError):
             check_context(frames, overlap)
 
@@ -298,3 +298,10 @@ def test_v2v_with_an_image_pins_the_first_frame(dense_pipe, test_image):
     cond = dense_pipe.normalizer.to_dit(condition.posterior.sample(torch.Generator().manual_seed(seed))).float()
     assert all(torch.equal(c["x"][:, :, :1], cond) for c in calls) and torch.equal(out[:, :, :1], cond)
     assert not torch.equal(calls[0]["x"][:, :, 1:2], calls[-1]["x"][:, :, 1:2])
+
+
+def test_context_frames_off_reads_the_same_in_the_widget_the_cli_and_the_messages():
+    # ComfyUI's widget steps 4n+1 values from its minimum 1, so 1 is its "off"; the CLI's off is 0.
+    assert check_context(0, 24) is None and check_context(1, 24) is None
+    with pytest.raises(ValueError, match=r"context_frames=3 is not allowed: use 0 or 1 \(off\) or 4n\+1"):
+        check_context(3, 0)
