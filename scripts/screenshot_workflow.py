@@ -74,6 +74,7 @@ FRONTEND_SETTINGS = {
     "Comfy.Workflow.ShowMissingModelsWarning": False,
     "Comfy.Workflow.ShowMissingNodesWarning": False,
     "Comfy.Graph.CanvasInfo": False,          # no "T: / I: / N: / FPS" overlay
+    "Comfy.Workflow.Persist": False,          # a reload opens no earlier tabs (--all loads one per page)
 }
 
 #: Run in the page before the app's scripts: dismiss the "Introducing Nodes 2.0" banner (kept in
@@ -487,6 +488,7 @@ def main(argv: list[str] | None = None) -> int:
         cdp.call("Page.addScriptToEvaluateOnNewDocument", source=PRELOAD)
         for workflow, out, layout_path in jobs(args):
             # a fresh page for each workflow: the app is in the state a user opening it finds
+            cdp.evaluate("(() => { try { localStorage.clear(); sessionStorage.clear(); } catch (e) {} return true; })()")
             cdp.call("Page.navigate", url=server.url + "/")
             time.sleep(0.5)
             wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
