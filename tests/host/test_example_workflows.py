@@ -112,11 +112,11 @@ def test_every_prompt_box_shows_at_least_8_lines(path, renderer, schemas):
 def test_every_note_line_fits_its_box(path):
     notes = [n for n in load(path)["nodes"] if n["type"] in FRONTEND_ONLY]
     assert notes, "every example explains itself in a Note"
-    for note in notes:
-        columns = note_columns(note)
+    for note, renderer in ((n, r) for n in notes for r in RENDERERS):
+        columns = note_columns(note, renderer)
         long = [line for line in note["widgets_values"][0].splitlines() if len(line) > columns]
         assert not long, (f"Note {note['id']} is {note['size'][0]} px wide ({columns} characters of "
-                          f"{FRONTEND['note_char']} px); these lines wrap: {long[:3]}")
+                          f"{FRONTEND['note_char']} px in {renderer}); these lines wrap: {long[:3]}")
         lines = len(note["widgets_values"][0].splitlines())
         for name, renderer in RENDERERS.items():  # the whole Note shows without scrolling, 15 px lines in Nodes 2.0
             assert lines * renderer["line"] <= note["size"][1] - 20, (name, note["id"], lines, note["size"])

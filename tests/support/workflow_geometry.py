@@ -69,6 +69,10 @@ FRONTEND = {"title": 30, "note_margin": 20, "note_padding": 4, "note_char": 6.02
 CALIBRATION = [
     ("classic", "LoadLingbotPipeline", 1, ["row"] * 9, True, 250),
     ("classic", "GenerateVideo", 2, ["multiline"] * 2 + ["row"] * 6 + ["seed_control"] + ["row"] * 6, True, 474),
+    # frontend 1.58.1's classic renderer, today's GenerateVideo (video, video_latent slots; sigmas, denoise,
+    # context_frames, context_overlap, vae_tiling rows): the same figures as 1.32.9
+    ("classic", "GenerateVideo", 4, ["multiline"] * 2 + ["row"] * 7 + ["seed_control"] + ["row"] * 4 + ["text"]
+     + ["row"] * 4, True, 610),
     ("classic", "Refine", 3, ["multiline"] * 2 + ["row"] * 12, True, 470),
     ("classic", "LoadImage", 2, ["file", "upload", "image_preview"], False, 326),
     ("classic", "EncodeImageVAE", 2, ["row"] * 2, True, 102),
@@ -167,11 +171,20 @@ def overlap(a, b) -> float:
     return w * h if w > 0 and h > 0 else 0.0
 
 
-def note_columns(node: dict) -> int:
+#: Nodes 2.0's Note text box: 12 px margins each side, 8 px padding each side and a scroll-bar gutter
+#: (15 px) kept even without a scroll bar: 60 px of the node's width hold no text. Estimated from the
+#: 1.58.1 screenshot of lingbot_v2v_restyle.json (540 px wide): 81- and 82-character lines wrapped,
+#: 79-character lines did not.
+NODES2_NOTE_MARGIN = 60
+
+
+def note_columns(node: dict, renderer: str = "classic") -> int:
     """Characters that fit on one line of a Note's text area without wrapping."""
     f = FRONTEND
     text = node["widgets_values"][0]
     w, h = node["size"][:2]
+    if renderer == "nodes2":
+        return math.floor((w - NODES2_NOTE_MARGIN) / f["note_char"])
     inner = w - f["note_margin"] - f["note_padding"]
     if len(text.splitlines()) * f["note_line"] > h - 8:
         inner -= f["note_scrollbar"]
