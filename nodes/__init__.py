@@ -1,5 +1,6 @@
 """ComfyUI adapters onto lingbot_core: the node classes and their registration."""
 
+from . import example_inputs
 from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .extend import ExtendVideo
 from .loader import LoadLingbotPipeline, LoadLingbotPipelineFiles, UnloadLingbotPipeline
@@ -53,3 +54,5 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotSizePreset": "LingBot-Video Size Preset",
 }
 
+# The example workflows' Load Image / Load Video files, into ComfyUI's input folder when missing.
+example_inputs.place_in_comfy_input()

@@ -12,7 +12,7 @@ from ..lingbot_core.sampling.scheduling import parse_sigmas
 from ..lingbot_core.prompts.text_conditioning import negative_from_widget
 from .comfy_memory import free_comfy_models
 from .progress import step_callback
-from .sampling import GenerateVideo, _context_frames
+from .sampling import GenerateVideo
 
 logger = logging.getLogger("lingbot_video_nodes")
 
@@ -84,7 +84,7 @@ class ExtendVideo:
             frames, prompt, new_frames=new_frames, keep_frames=keep_frames, color_match=color_match,
             negative_prompt=negative_from_widget(negative_prompt), steps=steps, guidance_scale=guidance_scale, shift=shift,
             seed=seed, callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
-            step_cache=step_cache, sampler=sampler, sigmas=explicit, context_frames=_context_frames(context_frames),
+            step_cache=step_cache, sampler=sampler, sigmas=explicit, context_frames=context_frames,
             context_overlap=context_overlap, vae_tiling=vae_tiling, output_type="pt",
         )
         return (out, float(fps))

@@ -9,6 +9,7 @@ import comfy.model_management
 
 from ..lingbot_core import DIT_DTYPES, MAX_BLOCKS_ON_GPU, OFFLOAD_MODES
 from ..lingbot_core.files.checkpoint_files import ModelPackageError
+from ..lingbot_core.loading import check_package
 from ..lingbot_core.memory.placement import DEFAULT, device_choices
 from .comfy_memory import current_job, guarded, pipe_pool
 from .model_folders import (
@@ -136,6 +137,28 @@ def check_consumers(prompt, node_id, transformer: str) -> None:
                     "which only refines videos. Connect it to a loader with transformer='transformer'.")
 
 
+def check_refiner_packages(prompt) -> None:
+    """Refuse, when the first loader of a prompt runs, any refiner loader of the prompt whose package has no
+    refiner/ (the dense package). That loader only runs when Refine first needs it, after the whole base run;
+    ComfyUI's VALIDATE_INPUTS could see the values only by taking over ComfyUI's own list check of them."""
+    for node_id, node in (prompt or {}).items():
+        inputs = node.get("inputs", {}) if isinstance(node, dict) else {}
+        if not isinstance(node, dict) or not isinstance(inputs, dict) or node.get("class_type") not in ("LoadLingbotPipeline", "LoadLingbotPipelineFiles") \
+                or inputs.get("transformer") != "refiner" or inputs.get("dit_file", FROM_PACKAGE) != FROM_PACKAGE \
+                or not isinstance(inputs.get("model"), str) or inputs["model"] == NO_PACKAGE:
+            continue
+        model = inputs["model"]
+        folder = resolve_package(model)
+        try:
+            check_package(folder, "refiner", {"text_encoder": "-", "vae": "-"})  # the refiner's folder only
+        except ValueError as error:
+            title = (node.get("_meta") or {}).get("title") or node["class_type"]
+            raise ValueError(
+                f"'{title}' (node {node_id}): {without_paths(str(error), {folder: f'package {model!r}'})} "
+                "transformer='refiner' needs the MoE package (robbyant/lingbot-video-moe-30b-a3b, with refiner/); "
+                "for this package choose transformer='transformer'. Refused before anything ran.") from None
+
+
 class LoadLingbotPipeline:
     DESCRIPTION = (
         "Selects a LingBot-Video model package (dense 1.3B or MoE 30B-A3B) from models/diffusers or "
@@ -179,6 +202,7 @@ class LoadLingbotPipeline:
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT,
              vae_device=DEFAULT):
+        check_refiner_packages(prompt)
         check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                                blocks_on_gpu, speed_options, text_encoder_device, vae_device)
@@ -219,6 +243,7 @@ class LoadLingbotPipelineFiles(LoadLingbotPipeline):
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              dit_file=FROM_PACKAGE, text_encoder_file=FROM_PACKAGE, vae_file=FROM_PACKAGE, blocks_on_gpu=0,
              speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
+        check_refiner_packages(prompt)
         check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                                blocks_on_gpu, speed_options, text_encoder_device, vae_device,

@@ -31,10 +31,6 @@ def _context_inputs(default_frames: int, off: str) -> dict:
     }
 
 
-def _context_frames(widget: int) -> int:
-    return 0 if widget <= 1 else widget  # the widget's 1 (its minimum) means off
-
-
 def _latent_output(pipe, latents):
     # ComfyUI's LATENT convention for Wan-style video: raw VAE space, on the CPU.
     return {"samples": pipe.normalizer.to_vae(latents).cpu()}
@@ -86,7 +82,7 @@ class GenerateVideo:
                 "video_latent": ("LATENT", {"tooltip": "Video-to-video from a latent instead of frames: a LingBot-Video / Wan 2.1 latent (GenerateVideo's latent output); its size sets width, height and num_frames."}),
                 "denoise": ("FLOAT", {"default": 1.0, "min": 0.01, "max": 1.0, "step": 0.01,
                             "tooltip": "Video-to-video strength, as in KSampler: `steps` steps run, the last ones of a grid of steps/denoise steps, so the video is re-noised to that point (the log says the sigma). 1.0 = plain text/image-to-video (the video is ignored); lower keeps more of the video (with shift 3: 0.3 starts at sigma 0.57, 0.5 at 0.75, 0.7 at 0.88)."}),
-                **_context_inputs(1, "1 = off (the whole video in one pass)."),
+                **_context_inputs(1, "1 (the minimum) = off: the whole video in one pass."),
                 # A link, not a widget: it takes no place among the widget values.
                 "prompt_schedule": ("LINGBOT_PROMPT_SCHEDULE", {"tooltip": "A prompt per part of the video (LingBot-Video Prompt Schedule). It replaces prompt (leave it empty) and, when it has negatives, negative_prompt; num_frames sets the length (caption durations are not used). Needs context_frames: each window is conditioned on the part at its centre frame, and every part needs a window."}),
                 # Last, so that a saved workflow's widget values keep their places.
@@ -120,7 +116,7 @@ class GenerateVideo:
             num_frames=num_frames, steps=steps, guidance_scale=guidance_scale, shift=shift, seed=seed,
             output_type="latent", callback=step_callback(unique_id, steps if explicit is None else len(explicit)),
             step_cache=step_cache, sampler=sampler, sigmas=explicit, video=video, video_latent=samples, denoise=denoise,
-            context_frames=_context_frames(context_frames), context_overlap=context_overlap, vae_tiling=vae_tiling,
+            context_frames=context_frames, context_overlap=context_overlap, vae_tiling=vae_tiling,
         )
         keep = None if video is None else int(video.shape[0])  # the video's own length (sampled padded to 4n+1)
         return (pipe.decode(latents, num_frames=keep, tiling=vae_tiling), _latent_output(pipe, latents))
@@ -164,7 +160,7 @@ class Refine:
                 "fps": ("FLOAT", {"default": 24.0, "min": 1.0, "max": 120.0, "step": 0.001, "tooltip": "Frame rate of the base video (connect Get Video Components' fps); faster videos are resampled to 24 fps, keeping their duration."}),
                 "step_cache": ("FLOAT", {"default": 0.0, "min": 0.0, "max": 1.0, "step": 0.01,
                                "tooltip": "Skip the DiT on steps whose input barely changed and reuse its last residual (EasyCache rule). 0 = off (exact); 0.05 EasyCache's default, about 0.1 = 2x, 0.2 = 3x fewer DiT runs. Not for few-step / distilled schedules."}),
-                **_context_inputs(REFINER_CONTEXT_FRAMES, "121 = the refiner's clip (5 s); 1 = off (the whole video as one clip: only for short videos)."),
+                **_context_inputs(REFINER_CONTEXT_FRAMES, "121 = the refiner's clip (5 s); 1 (the minimum) = off: the whole video as one clip, only for short videos."),
             },
             "hidden": {"unique_id": "UNIQUE_ID"},
         }
@@ -178,6 +174,6 @@ class Refine:
             first_frame=None if first_frame is None else first_frame[0], height=height, width=width, steps=steps,
             guidance_scale=guidance_scale, shift=shift, t_thresh=t_thresh, tail_steps=tail_steps, seed=seed,
             fps=fps, vae_tiling=vae_tiling, output_type="pt", callback=step_callback(unique_id), step_cache=step_cache,
-            context_frames=_context_frames(context_frames), context_overlap=context_overlap,
+            context_frames=context_frames, context_overlap=context_overlap,
         )
         return (out, refiner_output_fps(fps))

@@ -63,7 +63,6 @@ from support.comfy_host import ws_frame, ws_read_frame  # noqa: E402  (stdlib-on
 
 DEFAULT_WORKFLOW = REPO / "example_workflows" / "lingbot_ti2v_refine.json"
 DEFAULT_OUT = REPO / "docs" / "images" / "workflow_ti2v_refine.png"
-INPUT_IMAGE = REPO / "example_workflows" / "lingbot_example_input.png"
 MODELS = {"lingbot-video-moe-30b-a3b": True, "lingbot-video-dense-1.3b": False,
           "lingbot-video-moe-dmd-30b-a3b": True}  # name -> moe
 
@@ -75,6 +74,7 @@ FRONTEND_SETTINGS = {
     "Comfy.Workflow.ShowMissingModelsWarning": False,
     "Comfy.Workflow.ShowMissingNodesWarning": False,
     "Comfy.Graph.CanvasInfo": False,          # no "T: / I: / N: / FPS" overlay
+    "Comfy.Workflow.Persist": False,          # a reload opens no earlier tabs (--all loads one per page)
 }
 
 #: Run in the page before the app's scripts: dismiss the "Introducing Nodes 2.0" banner (kept in
@@ -253,7 +253,7 @@ def close_browser(proc, log, cdp) -> None:
 LOAD = """(async () => {
   const app = window.app, store = app.extensionManager.workflow;
   await store.syncWorkflows();
-  await app.loadGraphData(%(workflow)s, true, true, %(name)s);
+  await app.loadGraphData(%(workflow)s, true, true, %(name)s, %(options)s);
   const active = store.activeWorkflow;
   for (const w of [...store.openWorkflows]) if (w !== active) await store.closeWorkflow(w);
   return store.openWorkflows.map(w => ({path: w.path, persisted: w.isPersisted,
@@ -333,10 +333,29 @@ LAYOUT = """(() => {
     textareas: [...document.querySelectorAll('textarea')].map(t => {
       const cs = getComputedStyle(t), ctx = document.createElement('canvas').getContext('2d');
       ctx.font = cs.font;
+      const c = window.app.canvas, r = c.canvas.getBoundingClientRect(), s = c.ds.scale, o = c.ds.offset;
+      const b = t.getBoundingClientRect();
       return {font: cs.font, padding: [cs.paddingLeft, cs.paddingRight], width: t.clientWidth,
+              line: cs.lineHeight, box: [(b.left - r.left) / s - o[0], (b.top - r.top) / s - o[1],
+                                         (b.right - r.left) / s - o[0], (b.bottom - r.top) / s - o[1]],
               char_width: ctx.measureText('x'.repeat(100)).width / 100,
               text: t.value.slice(0, 40)};
     }),
+    scale: window.app.canvas.ds.scale, offset: [...window.app.canvas.ds.offset],
+    // Nodes 2.0 draws each node as a DOM element: its box and its rows, in graph units (as pos/size)
+    dom: (() => {
+      const c = window.app.canvas, r = c.canvas.getBoundingClientRect(), s = c.ds.scale, o = c.ds.offset;
+      const box = (b) => [(b.left - r.left) / s - o[0], (b.top - r.top) / s - o[1],
+                          (b.right - r.left) / s - o[0], (b.bottom - r.top) / s - o[1]];
+      return [...document.querySelectorAll('[data-node-id]')].map(el => ({
+        id: el.dataset.nodeId, box: box(el.getBoundingClientRect()),
+        widgets: [...el.querySelectorAll('.lg-node-widget, [data-widget-name], textarea')].map(w => ({
+          name: w.dataset?.widgetName || w.getAttribute('aria-label') || w.tagName,
+          cls: String(w.className).slice(0, 80), box: box(w.getBoundingClientRect()),
+          rows: w.tagName === 'TEXTAREA' ? Math.floor(w.clientHeight / parseFloat(getComputedStyle(w).lineHeight || 12)) : null,
+          line: w.tagName === 'TEXTAREA' ? getComputedStyle(w).lineHeight : null})),
+      }));
+    })(),
     nodes: window.app.graph._nodes.map(n => ({
       id: n.id, type: n.type, pos: [...n.pos], size: [...n.size],
       computed: n.computeSize ? [...n.computeSize()] : null,
@@ -359,103 +378,149 @@ def build_settings_payload(extra: dict | None = None) -> dict:
 # Main
 # --------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workflow", type=Path, default=DEFAULT_WORKFLOW)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument("--all", action="store_true",
+                    help="every example_workflows/*.json, each to example_workflows/<name>.jpg (or <--out-dir>/<name>"
+                         "<--suffix>), one server and browser for all; --workflow/--out are ignored")
+    ap.add_argument("--out-dir", type=Path, help="with --all: the folder for the images (default example_workflows)")
+    ap.add_argument("--suffix", default=".jpg", help="with --all: the image file ending (default .jpg)")
     ap.add_argument("--width", type=int, default=1600)
     ap.add_argument("--height", type=int, default=900)
     ap.add_argument("--supersample", type=int, default=2,
                     help="render at this device scale factor, then downsize (default 2; 1 = none)")
     ap.add_argument("--margin", type=int, default=16, help="CSS px around the fitted graph")
+    ap.add_argument("--as-opened", action="store_true",
+                    help="keep the view the frontend chose on opening (the workflow's stored extra.ds, or its own "
+                         "fit) instead of fitting the graph: what a user sees first")
+    ap.add_argument("--as-template", action="store_true",
+                    help="with --as-opened: open the workflow as the template browser does (1.58.1 fits the graph)")
+    ap.add_argument("--frontend-root", type=Path,
+                    help="serve this frontend build (ComfyUI's --front-end-root), e.g. the static/ folder of "
+                         "pip install --target DIR comfyui-frontend-package==1.58.1")
+    ap.add_argument("--vue-nodes", action="store_true",
+                    help="draw nodes with the Nodes 2.0 renderer (setting Comfy.VueNodes.Enabled, frontend >= 1.2x)")
     ap.add_argument("--chromium", help="Chromium/Chrome binary (default: found on PATH)")
     ap.add_argument("--colors", type=int, default=0,
                     help="quantize to this many colours to shrink the PNG (0 = lossless RGB)")
     ap.add_argument("--out-width", type=int, default=0,
                     help="downsize the saved image to this width, keeping the aspect (0 = --width)")
     ap.add_argument("--layout", type=Path,
-                    help="also write the frontend's node layout (sizes, widget rows) as JSON here")
+                    help="also write the frontend's node layout (sizes, widget rows) as JSON here (with --all: a "
+                         "folder, one <name>.json each)")
     ap.add_argument("--keep-temp", action="store_true", help="keep the temp dir (logs, profile)")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
 
-    from PIL import Image  # ComfyUI's dependency: present in the project venv
+
+def jobs(args) -> list[tuple[Path, Path, Path | None]]:
+    """(workflow, image, layout or None) for each screenshot asked for."""
+    if not args.all:
+        return [(args.workflow, args.out, args.layout)]
+    out_dir = args.out_dir or REPO / "example_workflows"
+    return [(wf, out_dir / f"{wf.stem}{args.suffix}", args.layout / f"{wf.stem}.json" if args.layout else None)
+            for wf in sorted((REPO / "example_workflows").glob("*.json"))]
+
+
+def shoot(cdp: CDP, server, workflow_path: Path, out: Path, layout_path: Path | None, args) -> None:
+    """Open one workflow in the running app and save its screenshot (and layout)."""
+    from PIL import Image
+
+    workflow = json.loads(workflow_path.read_text())
+    # Save the workflow as the user's workflows/<stem>.json so the app opens it as a saved
+    # workflow (a tab named after the file, without the "unsaved" dot).
+    saved = urllib.parse.quote(f"workflows/{workflow_path.stem}.json", safe="")
+    status, _ = server.post(f"/userdata/{saved}?overwrite=true", workflow)
+    if status != 200:
+        raise RuntimeError(f"POST /userdata/{saved} answered {status}")
+    # As the template browser opens it (frontend >= 1.5x then fits the graph, ignoring the stored view)
+    options = json.dumps({"openSource": "template"} if args.as_template else {})
+    tabs = cdp.evaluate(LOAD % {"workflow": json.dumps(workflow), "name": json.dumps(workflow_path.stem),
+                                "options": options})
+    print(f"[shot] open workflow tabs: {tabs}", flush=True)
+    n_nodes = wait_for(cdp, "window.app.graph._nodes.length", 30, "the workflow's nodes")
+    print(f"[shot] loaded {workflow_path.name}: {n_nodes} nodes", flush=True)
+    time.sleep(1.5 if args.vue_nodes else 1.0)
+    for _ in range(3):
+        cdp.key("Escape", "Escape", 27)
+        cdp.evaluate(DISMISS)
+        time.sleep(0.3)
+    # nothing selected, no hover state; then fit the graph ourselves (unless showing it as opened)
+    cdp.evaluate("(() => { window.app.canvas.deselectAll?.(); return true; })()")
+    if args.as_opened:
+        view = cdp.evaluate("(() => ({scale: window.app.canvas.ds.scale, offset: [...window.app.canvas.ds.offset]}))()")
+        print(f"[shot] as opened: {view}", flush=True)
+        time.sleep(1.0)
+    else:
+        layout = cdp.evaluate(FIT % {"margin": args.margin})
+        print(f"[shot] fitted: {layout}", flush=True)
+        time.sleep(1.0)
+        cdp.evaluate(DISMISS)
+        cdp.evaluate(FIT % {"margin": args.margin})  # again, in case UI changed size meanwhile
+        time.sleep(1.5 if args.vue_nodes else 1.0)
+
+    if layout_path:
+        layout_path.parent.mkdir(parents=True, exist_ok=True)
+        layout_path.write_text(json.dumps(cdp.evaluate(LAYOUT), indent=1) + "\n")
+        print(f"[shot] wrote the layout to {layout_path}", flush=True)
+
+    shot = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=False)
+    image = Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")
+    if image.size != (args.width, args.height):
+        image = image.resize((args.width, args.height), Image.LANCZOS)
+    if args.out_width and args.out_width != image.size[0]:
+        image = image.resize((args.out_width, round(image.size[1] * args.out_width / image.size[0])), Image.LANCZOS)
+    if args.colors:
+        image = image.quantize(colors=args.colors, method=Image.MEDIANCUT, dither=Image.NONE)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    jpeg = out.suffix.lower() in (".jpg", ".jpeg")
+    image.save(out, optimize=True, **({"quality": 85} if jpeg else {}))
+    print(f"[shot] wrote {out} ({image.size[0]}x{image.size[1]}, {out.stat().st_size / 1024:.0f} KiB)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
 
     from support.comfy_host import ComfyServer
     from lingbot_core.testing.fixtures import write_package
 
     chromium = find_chromium(args.chromium)
-    workflow = json.loads(args.workflow.read_text())
     tmp = Path(tempfile.mkdtemp(prefix="lingbot-shot-"))
     server = proc = log = cdp = None
     try:
         print(f"[shot] fixture packages in {tmp}", flush=True)
         models = {name: write_package(tmp / "models" / name, moe=moe, refiner=moe)
                   for name, moe in MODELS.items()}
-        server = ComfyServer(tmp / "server", models=models, env={"HF_HUB_OFFLINE": "1"},
+        extra = ["--front-end-root", str(args.frontend_root.resolve())] if args.frontend_root else []
+        # The input folder starts empty: the pack places the examples' image and video (nodes/example_inputs.py).
+        server = ComfyServer(tmp / "server", models=models, extra_args=extra, env={"HF_HUB_OFFLINE": "1"},
                              websocket=False)
-        server.add_input(INPUT_IMAGE, "lingbot_example_input.png")
         server.start()
         print(f"[shot] ComfyUI at {server.url} (log {server.log_path})", flush=True)
-        status, _ = server.post("/settings", build_settings_payload())
+        status, _ = server.post("/settings", build_settings_payload({"Comfy.VueNodes.Enabled": args.vue_nodes}))
         if status != 200:
             raise RuntimeError(f"POST /settings answered {status}")
-        # Save the workflow as the user's workflows/<stem>.json so the app opens it as a saved
-        # workflow (a tab named after the file, without the "unsaved" dot).
-        saved = urllib.parse.quote(f"workflows/{args.workflow.stem}.json", safe="")
-        status, _ = server.post(f"/userdata/{saved}?overwrite=true", workflow)
-        if status != 200:
-            raise RuntimeError(f"POST /userdata/{saved} answered {status}")
 
-        proc, log, cdp = launch_chromium(chromium, tmp / "chromium-profile",
-                                         args.width, args.height)
+        proc, log, cdp = launch_chromium(chromium, tmp / "chromium-profile", args.width, args.height)
         cdp.call("Emulation.setDeviceMetricsOverride", width=args.width, height=args.height,
                  deviceScaleFactor=args.supersample, mobile=False)
         cdp.call("Page.enable")
         cdp.call("Runtime.enable")
         cdp.call("Page.addScriptToEvaluateOnNewDocument", source=PRELOAD)
-        cdp.call("Page.navigate", url=server.url + "/")
-        wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
-        time.sleep(1.5)  # let start-up extensions settle (first-run dialogs, etc.)
-        for _ in range(2):
-            cdp.key("Escape", "Escape", 27)
-            cdp.evaluate(DISMISS)
-
-        tabs = cdp.evaluate(LOAD % {"workflow": json.dumps(workflow),
-                                    "name": json.dumps(args.workflow.stem)})
-        print(f"[shot] open workflow tabs: {tabs}", flush=True)
-        n_nodes = wait_for(cdp, "window.app.graph._nodes.length", 30, "the workflow's nodes")
-        print(f"[shot] loaded {args.workflow.name}: {n_nodes} nodes", flush=True)
-        time.sleep(1.0)
-        for _ in range(3):
-            cdp.key("Escape", "Escape", 27)
-            cdp.evaluate(DISMISS)
-            time.sleep(0.3)
-        # nothing selected, no hover state; then fit the graph ourselves
-        cdp.evaluate("(() => { window.app.canvas.deselectAll?.(); return true; })()")
-        layout = cdp.evaluate(FIT % {"margin": args.margin})
-        print(f"[shot] fitted: {layout}", flush=True)
-        time.sleep(1.0)
-        cdp.evaluate(DISMISS)
-        cdp.evaluate(FIT % {"margin": args.margin})  # again, in case UI changed size meanwhile
-        time.sleep(1.0)
-
-        if args.layout:
-            args.layout.write_text(json.dumps(cdp.evaluate(LAYOUT), indent=1) + "\n")
-            print(f"[shot] wrote the layout to {args.layout}", flush=True)
-
-        shot = cdp.call("Page.captureScreenshot", format="png", captureBeyondViewport=False)
-        image = Image.open(io.BytesIO(base64.b64decode(shot["data"]))).convert("RGB")
-        if image.size != (args.width, args.height):
-            image = image.resize((args.width, args.height), Image.LANCZOS)
-        if args.out_width and args.out_width != image.size[0]:
-            image = image.resize((args.out_width, round(image.size[1] * args.out_width / image.size[0])), Image.LANCZOS)
-        if args.colors:
-            image = image.quantize(colors=args.colors, method=Image.MEDIANCUT, dither=Image.NONE)
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        jpeg = args.out.suffix.lower() in (".jpg", ".jpeg")
-        image.save(args.out, optimize=True, **({"quality": 85} if jpeg else {}))
-        print(f"[shot] wrote {args.out} ({image.size[0]}x{image.size[1]}, "
-              f"{args.out.stat().st_size / 1024:.0f} KiB)", flush=True)
+        for workflow, out, layout_path in jobs(args):
+            # a fresh page for each workflow: the app is in the state a user opening it finds
+            cdp.evaluate("(() => { try { localStorage.clear(); sessionStorage.clear(); } catch (e) {} return true; })()")
+            cdp.call("Page.navigate", url=server.url + "/")
+            time.sleep(0.5)
+            wait_for(cdp, APP_READY, 120, "the ComfyUI app (window.app) to load")
+            version = cdp.evaluate("window.__COMFYUI_FRONTEND_VERSION__ || null")
+            print(f"[shot] frontend {version}{' (Nodes 2.0)' if args.vue_nodes else ''}", flush=True)
+            time.sleep(1.5)  # let start-up extensions settle (first-run dialogs, etc.)
+            for _ in range(2):
+                cdp.key("Escape", "Escape", 27)
+                cdp.evaluate(DISMISS)
+            shoot(cdp, server, workflow, out, layout_path, args)
     finally:
         close_browser(proc, log, cdp)
         if server is not None:

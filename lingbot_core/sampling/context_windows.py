@@ -60,18 +60,22 @@ class ContextWindows:
                 f"({self.pixel_frames} pixel frames, overlap >= {self.overlap * TEMPORAL}) over {length} latent frames")
 
 
+OFF = (0, 1)  # context_frames values that turn windows off
+
+
 def check_context(context_frames, context_overlap) -> Optional[ContextWindows]:
-    """The user's pixel-frame options -> windows in latent frames, or None (``context_frames`` 0 = off)."""
+    """The user's pixel-frame options -> windows in latent frames, or None (``context_frames`` 0 or 1 = off:
+    ComfyUI's widget keeps 4n+1 values by stepping from its minimum, 1, so 1 is the widget's "off")."""
     def as_int(name, value):
         if isinstance(value, bool) or not float(value).is_integer():
             raise ValueError(f"{name}={value!r} must be a whole number of frames.")
         return int(value)
 
     frames, overlap = as_int("context_frames", context_frames), as_int("context_overlap", context_overlap)
-    if frames == 0:
+    if frames in OFF:
         return None
     if frames < 5 or (frames - 1) % TEMPORAL or frames > MAX_CONTEXT_FRAMES:
-        raise ValueError(f"context_frames={frames} is not allowed: use 0 (off) or 4n+1 frames from 5 to {MAX_CONTEXT_FRAMES} "
+        raise ValueError(f"context_frames={frames} is not allowed: use 0 or 1 (off) or 4n+1 frames from 5 to {MAX_CONTEXT_FRAMES} "
                          f"(e.g. {REFINER_CONTEXT_FRAMES}, the refiner's clip; 81 or 61 to save memory).")
     if overlap < 0 or overlap % TEMPORAL or overlap >= frames - 1:
         raise ValueError(f"context_overlap={overlap} is not allowed: use a multiple of {TEMPORAL} from 0 to "

@@ -66,19 +66,23 @@ def test_a_refiner_pipeline_wired_into_generate_is_refused_at_its_loader(comfy_s
     assert "2" not in executed_nodes(entry)
 
 
-def test_refine_with_the_dense_package_names_the_package_not_the_servers_folder(comfy_server, tmp_path_factory):
+def test_refine_with_the_dense_package_is_refused_before_the_base_run_naming_the_package_not_the_folder(
+        comfy_server, tmp_path_factory):
     from lingbot_core.testing.fixtures import write_package
 
-    # As released: the dense package has no refiner/ folder.
+    # As released: the dense package has no refiner/ folder. The refiner loader runs only when Refine first
+    # needs it, after the base GenerateVideo; the base loader, which runs first, refuses it instead.
     dense = write_package(tmp_path_factory.mktemp("released") / "lingbot-video-dense-1.3b", fp32=True, refiner=False)
     comfy_server.add_model("lingbot-video-dense-1.3b", dense)
     graph = {"1": loader(MOE, "transformer"), "2": generate("1", seed=703),
              "6": loader("lingbot-video-dense-1.3b", "refiner"), "3": refine("6", "2"), "4": save("3", "dense_refine")}
     entry = comfy_server.run(graph, check=False)
     err = execution_error(entry)
-    assert err is not None and err["node_id"] == "6", err
+    assert err is not None and err["node_id"] in ("1", "6"), err
+    assert "2" not in executed_nodes(entry) and not progress_events(entry, "2")  # the base run never started
     message = err["exception_message"]
     assert "package 'lingbot-video-dense-1.3b' is missing the refiner/ folder" in message, message
+    assert "(node 6)" in message and "lingbot-video-moe-30b-a3b" in message, message
     for folder in (dense, comfy_server.models_dir, comfy_server.models_dir.parent):
         assert str(folder) not in message, message
     assert not re.search(r"(^|[\s'\"(])/[\w.-]", message), f"an absolute path in: {message}"
@@ -111,3 +115,4 @@ def test_a_cached_base_loader_wired_into_refine_is_refused_by_refine(comfy_serve
     assert err is not None and err["node_id"] == "3", err
     assert "Refine needs the refiner DiT" in err["exception_message"]
     assert "2" not in executed_nodes(entry)  # GenerateVideo was cached: nothing was sampled again
+

@@ -80,7 +80,7 @@ def test_context_options_are_checked():
     assert check_context(0, 24) is None
     w = check_context(121, 24)
     assert (w.size, w.overlap) == (31, 6)
-    for frames, overlap in ((120, 24), (1, 0), (121, 22), (121, 120), (9, 8), (9, -4)):
+    for frames, overlap in ((120, 24), (3, 0), (121, 22), (121, 120), (9, 8), (9, -4)):
         with pytest.raises(ValueError):
             check_context(frames, overlap)
 
@@ -359,3 +359,8 @@ def test_each_window_keeps_its_own_step_cache(dense_pipe, caplog):
     assert (alone[:, 2] > 0).all()  # the cache does skip on these clips
     np.testing.assert_array_equal(in_windows, alone.sum(axis=0))
     torch.testing.assert_close(windowed, torch.cat(halves, dim=2), rtol=0, atol=1e-5)
+def test_context_frames_off_reads_the_same_in_the_widget_the_cli_and_the_messages():
+    # ComfyUI's widget steps 4n+1 values from its minimum 1, so 1 is its "off"; the CLI's off is 0.
+    assert check_context(0, 24) is None and check_context(1, 24) is None
+    with pytest.raises(ValueError, match=r"context_frames=3 is not allowed: use 0 or 1 \(off\) or 4n\+1"):
+        check_context(3, 0)
