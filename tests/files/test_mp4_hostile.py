@@ -61,7 +61,7 @@ BOMBS = {  # forged file, what the message must name
 
 def test_index_bombs_are_refused_from_their_boxes_before_ffmpeg_reads_them(tmp_path, record_property):
     """On main these cost +2,980 MiB (85 M samples, 837 bytes), +2,052 MiB (100 k edits, 1.2 MB), +2,981 MiB (trun) of RSS
-    inside av.open (bench/mp4_bombs.py); here each is refused naming its box and count, RSS flat."""
+    inside av.open (bench/hostile_mp4.py); here each is refused naming its box and count, RSS flat."""
     files = {}
     for name, (make, _) in BOMBS.items():
         path = tmp_path / (name.replace(" ", "_") + ".mp4")
