@@ -18,6 +18,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 _CHILD = r"""
 import io, json, sys, types
+# lingbot_core.files alone: the package's __init__ would import the model stack (seconds, not measured)
 sys.modules["lingbot_core"] = types.ModuleType("lingbot_core")
 sys.modules["lingbot_core"].__path__ = ["lingbot_core"]
 import av
@@ -28,24 +29,37 @@ def kib(field):
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
 
-data = open(sys.argv[1], "rb").read()
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")
-before = kib("VmRSS")
-try:
-    if sys.argv[2] == "old":
-        options = {"format_whitelist": "mov,mp4,m4a,3gp,3g2,mj2", "enable_drefs": "0", "use_absolute_path": "0",
-                   "protocol_whitelist": "none"}
-        with av.open(io.BytesIO(data), format="mp4", container_options=options,
-                     options={"max_pixels": str(2 * 96 * 64)}) as c:
-            outcome = f"opened: {c.streams.video[0].frames:,} frames in the header"
-    else:
-        read_mp4(data, frames=5, height=64, width=96)
-        outcome = "read"
-except Exception as e:
-    outcome = f"{type(e).__name__}: {e}"
-print(json.dumps({"rise_mib": round((kib("VmHWM") - before) / 2**20, 1), "outcome": outcome}))
+OLD = {"format_whitelist": "mov,mp4,m4a,3gp,3g2,mj2", "enable_drefs": "0", "use_absolute_path": "0",
+       "protocol_whitelist": "none"}
+rows = {}
+for name in sys.argv[2:]:
+    data = open(name, "rb").read()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    before = kib("VmRSS")
+    try:
+        if sys.argv[1] == "old":
+            with av.open(io.BytesIO(data), format="mp4", container_options=OLD,
+                         options={"max_pixels": str(2 * 96 * 64)}) as c:
+                outcome = f"opened: {c.streams.video[0].frames:,} frames in the header"
+        else:
+            read_mp4(data, frames=5, height=64, width=96)
+            outcome = "read"
+    except Exception as e:
+        outcome = f"{type(e).__name__}: {e}"
+    rows[name] = {"rise": kib("VmHWM") - before, "outcome": outcome}
+print(json.dumps(rows))
 """
+
+
+def measure(paths, mode: str = "new", timeout: float = 600) -> dict:
+    """``{path: {"rise": peak RSS rise in bytes, "outcome": what happened}}`` of reading each file once in one
+    child process: ``new`` with read_mp4 for 5 frames of 96x64, ``old`` with main's opener (av.open only)."""
+    out = subprocess.run([sys.executable, "-c", _CHILD, mode, *map(str, paths)], capture_output=True, text=True,
+                         cwd=REPO, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"the {mode} reader's child failed (exit {out.returncode}): {out.stderr[-3000:]}")
+    return json.loads(out.stdout)
 
 
 def main() -> None:
@@ -59,12 +73,9 @@ def main() -> None:
         for name, data in bombs.items():
             path = Path(tmp) / "bomb.mp4"
             path.write_bytes(data)
-            for mode in ("old", "new"):
-                out = subprocess.run([sys.executable, "-c", _CHILD, str(path), mode], capture_output=True, text=True,
-                                     cwd=REPO, timeout=600)
-                row = json.loads(out.stdout) if out.returncode == 0 else {"rise_mib": None, "outcome": out.stderr[-300:]}
-                print(f"{name} ({len(data):,} bytes), {mode}: +{row['rise_mib']} MiB; {row['outcome']}")
-
+            for mode in ("old", "new"):  # one child each: the old opener's RSS must not count against the new
+                row = measure([path], mode)[str(path)]
+                print(f"{name} ({len(data):,} bytes), {mode}: +{row['rise'] / 2**20:.1f} MiB; {row['outcome']}")
 
 if __name__ == "__main__":
     main()

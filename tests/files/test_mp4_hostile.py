@@ -6,51 +6,17 @@ stripped, and only the codecs a video server sends decoded. Every file is forged
 from __future__ import annotations
 
 import io
-import json
 import re
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 from lingbot_core.files.video_io import NotAnMp4, VideoMismatch, clean_mp4, read_mp4, read_video_file
 from support import mp4_forge as forge
-from support.child_runs import REPO, TESTS
+from bench.hostile_mp4 import measure
 
 ASK = dict(frames=5, height=64, width=96)
 MIB = 1 << 20
-
-# The child reads each forged file once with read_mp4 and reports its peak RSS rise (VmHWM reset to VmRSS
-# first) and what was raised: FFmpeg's index is built in C, out of the reach of tracemalloc.
-_CHILD = textwrap.dedent("""
-    import json, sys, types
-    # lingbot_core.files alone: the package's __init__ would import the model stack (seconds, not measured)
-    sys.modules["lingbot_core"] = types.ModuleType("lingbot_core")
-    sys.modules["lingbot_core"].__path__ = ["lingbot_core"]
-    from lingbot_core.files.video_io import read_mp4
-    import av  # loaded before the first measurement
-
-    def kib(field):
-        for line in open("/proc/self/status"):
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-
-    out = {}
-    for name in sys.argv[1:]:
-        data = open(name, "rb").read()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        before = kib("VmRSS")
-        try:
-            read_mp4(data, frames=5, height=64, width=96)
-            message = None
-        except Exception as e:
-            message = f"{type(e).__name__}: {e}"
-        out[name] = {"rise": kib("VmHWM") - before, "message": message}
-    print(json.dumps(out))
-""")
 
 BOMBS = {  # forged file, what the message must name
     "sample table of 85 M samples": (lambda: forge.index_bomb(85_000_000), ["'stts'", "85,000,000 samples"]),
@@ -67,16 +33,13 @@ def test_index_bombs_are_refused_from_their_boxes_before_ffmpeg_reads_them(tmp_p
         path = tmp_path / (name.replace(" ", "_") + ".mp4")
         path.write_bytes(make())
         files[name] = str(path)
-    proc = subprocess.run([sys.executable, "-c", _CHILD, *files.values()], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = json.loads(proc.stdout)
+    seen = measure(files.values())  # one child process: FFmpeg's index is built in C, out of tracemalloc's reach
     for name, (_, parts) in BOMBS.items():
         got = seen[files[name]]
         record_property(f"{name}: peak_rss_rise_mib", round(got["rise"] / MIB, 1))
-        assert got["message"] and got["message"].startswith("NotAnMp4"), (name, got)
+        assert got["outcome"] and got["outcome"].startswith("NotAnMp4"), (name, got)
         for part in parts:
-            assert part in got["message"], (name, got)
+            assert part in got["outcome"], (name, got)
         assert got["rise"] < 16 * MIB, (name, got)
 
 
