@@ -74,8 +74,11 @@ def _reader(source) -> tuple[Callable[[int, int], bytes], int]:
     if isinstance(source, (bytes, bytearray, memoryview)):
         view = memoryview(source)
         return (lambda at, n: bytes(view[at:at + n])), len(view)
-    fd = source.fileno()
-    return (lambda at, n: os.pread(fd, n, at)), os.fstat(fd).st_size
+    def read(at: int, n: int) -> bytes:  # seek + read: os.pread does not exist on Windows
+        source.seek(at)
+        return source.read(n)
+
+    return read, os.fstat(source.fileno()).st_size
 
 
 class _Track:

@@ -75,7 +75,11 @@ def _open_mp4(source, *, max_frames: int, max_pixels: int):
         check_mp4(source, max_frames=max_frames)
     except Mp4Refused as e:
         raise NotAnMp4(str(e)) from None
-    stream_of = io.BytesIO(source) if isinstance(source, (bytes, bytearray)) else source
+    if isinstance(source, (bytes, bytearray)):
+        stream_of = io.BytesIO(source)
+    else:
+        stream_of = source
+        stream_of.seek(0)  # the walk left it elsewhere
     no_larger = {"max_pixels": str(int(max_pixels))}
     try:
         container = av.open(stream_of, mode="r", format=MP4_DEMUXER, options=no_larger,
