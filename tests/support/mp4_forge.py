@@ -145,3 +145,18 @@ def largesize_mdat(mp4: bytes) -> bytes:
         raw = build(body) if isinstance(body, list) else body
         out += (struct.pack(">I4sQ", 1, kind, 16 + len(raw)) if kind == b"mdat" else struct.pack(">I4s", 8 + len(raw), kind)) + raw
     return out
+
+
+def fragmented(mp4: bytes) -> bytes:
+    """The same packets (a stream copy, no second encode) in a fragmented mp4 (moof + mdat per fragment)."""
+    import av
+
+    out = io.BytesIO()
+    with av.open(io.BytesIO(mp4)) as src, av.open(out, mode="w", format="mp4",
+                                                 options={"movflags": "frag_keyframe+empty_moov"}) as dst:
+        stream = dst.add_stream_from_template(src.streams.video[0])
+        for packet in src.demux(video=0):
+            if packet.dts is not None:
+                packet.stream = stream
+                dst.mux(packet)
+    return out.getvalue()
