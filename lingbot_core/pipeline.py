@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .model.latents import (
-    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, latent_shape,
+    REFINER_TILE, REFINER_TILE_STRIDE, LatentNormalizer, Posterior, check_video_size, integer_pixels, latent_shape,
     pad_frames, padded_frame_count, preprocess_first_frame, resize_frames, tiling_enabled, vae_decode, vae_encode,
     vae_tiling,
 )
@@ -29,7 +29,7 @@ from .memory.budget import trim_heap
 from .memory.offload import Offloader, check_blocks_on_gpu, check_offload_mode, resolve_device
 from .memory.placement import check_component_devices
 from .model.color_match import check_color_match, match_color
-from .model.refiner import first_frame_pixels, refiner_frame_indices, start_latent
+from .model.refiner import first_frame_pixels, refiner_frame_indices, refiner_output_fps, start_latent
 from .model.block_compile import FirstStepsTimer
 from .model.transformer import converted_bytes
 from .sampling.context_windows import (
@@ -152,6 +152,9 @@ def _output(frames: torch.Tensor, output_type: str):
 
 
 def _check_denoise(denoise: float) -> float:
+    if not isinstance(denoise, (int, float, np.floating, np.integer)):
+        raise ValueError(f"denoise={denoise!r} is not allowed: use a number, a strength in (0, 1] (1.0 = plain "
+                         "text-to-video, lower keeps more of the input video, e.g. 0.5).")
     d = float(denoise)
     if isinstance(denoise, bool) or not np.isfinite(d) or not 0.0 < d <= 1.0:
         raise ValueError(f"denoise={denoise} is not allowed: use a strength in (0, 1] (1.0 = plain text-to-video, "
@@ -160,12 +163,15 @@ def _check_denoise(denoise: float) -> float:
 
 
 def _video_frames(frames, min_frames: int = 1) -> torch.Tensor:
-    """An input video (T, H, W, 3) in [0, 1] (tensor or array), checked; returned as a tensor."""
+    """An input video (T, H, W, 3), checked; returned as a tensor. Float frames are in [0, 1]; integer
+    frames are 0..255 values (as for an image: latents.integer_pixels) and come back as floats in [0, 1]."""
     video = frames if isinstance(frames, torch.Tensor) else torch.as_tensor(np.asarray(frames))
     if video.ndim != 4 or video.shape[-1] != 3:
         raise ValueError(f"frames must be (T, H, W, 3); got shape {tuple(video.shape)}.")
     if video.shape[0] < min_frames:
         raise ValueError(f"the video needs at least {min_frames} frames; got {video.shape[0]}.")
+    if not video.is_floating_point():
+        return integer_pixels(video, "video").float().div_(255.0)
     if not torch.isfinite(video.float()).all():
         raise ValueError("frames contain NaN or infinite values.")
     return video
@@ -728,8 +734,13 @@ class LingbotPipeline:
             raise ValueError("sampler='dmd_student' is the DMD student's base-model sampler; the refiner keeps flow UniPC: "
                              "use sampler 'unipc' (or 'auto') for Refine.")
         video = _video_frames(frames)
-        if video.shape[0] < 5:
-            raise ValueError(f"Refine needs a video of at least 5 frames; got {video.shape[0]} (the refiner is not trained on images).")
+        # The minimum holds for what the refiner sees: the frames left after resampling to its rate (and max_frames).
+        indices = refiner_frame_indices(video.shape[0], fps, max_frames)
+        if len(indices) < 5:
+            after = (f"; at {fps:g} fps they are resampled to {len(indices)} at the refiner's {refiner_output_fps(fps):g} fps"
+                     + (f" (max_frames={max_frames})" if max_frames else "") if len(indices) != video.shape[0] else "")
+            raise ValueError(f"Refine needs a video of at least 5 frames; got {video.shape[0]}{after} (the refiner is not "
+                             "trained on images).")
         check_video_size(1, height, width)
         windows = check_context(context_frames, context_overlap)
         steps, seed = _check_steps(steps), _check_seed(seed)
@@ -743,7 +754,6 @@ class LingbotPipeline:
 
         _check_output_type(output_type)
         _check_text_inputs(prompt, negative_prompt, guidance_scale, video.shape[0])  # before the video is VAE-encoded
-        indices = refiner_frame_indices(video.shape[0], fps, max_frames)
         # Every kept frame is refined: the tail is padded to 4n+1 for the VAE and trimmed after decoding.
         lowres = pad_frames(resize_frames(video[indices].float().clamp(0, 1), height, width), padded_frame_count(len(indices)), dim=2)
         tiling = dict(tiling=vae_tiling, tile_size=tile_size, tile_stride=tile_stride)

@@ -8,6 +8,7 @@ import os
 import folder_paths
 
 from ..lingbot_core import frames_for_duration, parse_prompt
+from ..lingbot_core.files.named_files import inside
 from ..lingbot_core.model.latents import MAX_SIDE, SIZE_MULTIPLE
 from ..lingbot_core.pipeline import MAX_TI2V_ASPECT
 from ..lingbot_core.prompts.text_conditioning import compact_json, read_prompt_file
@@ -87,14 +88,18 @@ class LoadLingbotPrompt:
 
     @classmethod
     def IS_CHANGED(cls, prompt_file, fps):
-        path = cls._path(prompt_file)
+        try:
+            path = cls._path(prompt_file)
+        except ValueError:
+            return float("nan")  # load() names the problem
         return os.path.getmtime(path) if os.path.isfile(path) else float("nan")
 
     @staticmethod
     def _path(prompt_file):
         if prompt_file not in _prompt_files():
             raise ValueError(f"prompt_file {prompt_file!r} is not a .json file in ComfyUI's input folder.")
-        return os.path.join(folder_paths.get_input_directory(), prompt_file)
+        # a listed name may still be a link to a file elsewhere: refused, never read
+        return str(inside(folder_paths.get_input_directory(), prompt_file, what="prompt_file"))
 
     def load(self, prompt_file, fps):
         raw = read_prompt_file(self._path(prompt_file))

@@ -10,6 +10,7 @@ import comfy.utils
 import torch
 
 from ..lingbot_core.remote import MAX_POLL_SECONDS, MIN_POLL_SECONDS, RemoteServer
+from ..lingbot_core.files.video_io import clean_mp4
 from ..lingbot_core.prompts.text_conditioning import negative_from_widget
 from .sampling import GenerateVideo
 from .server_list import check_server, endpoint, list_version, server_input
@@ -19,7 +20,7 @@ DEFAULT_TIMEOUT, DEFAULT_POLL = 600, 2.0
 
 
 def video_output(mp4: bytes):
-    """ComfyUI's VIDEO holding the server's mp4 as it is (Save Video copies its streams, no re-encode).
+    """ComfyUI's VIDEO holding ``mp4`` (Save Video copies its streams, no re-encode).
 
     ``comfy_api.latest.InputImpl.VideoFromFile`` exists in 0.3.75 and in current ComfyUI; older hosts
     have no VIDEO type: the output is then None and only ``frames`` is usable."""
@@ -126,7 +127,8 @@ class LingbotRemoteGenerate:
     RETURN_NAMES = ("frames", "video", "report")
     OUTPUT_TOOLTIPS = (
         "The server's video decoded to an IMAGE batch (T, H, W, 3).",
-        "The server's mp4 exactly as it was sent; Save Video stores it without re-encoding.",
+        "The server's video stream as it was sent and checked, in a clean mp4 (no other stream, none of the "
+        "server's metadata); Save Video stores it without re-encoding.",
         "What the server reported: job id, inference_time_s, peak_memory_mb, and the round-trip time.",
     )
 
@@ -149,4 +151,8 @@ class LingbotRemoteGenerate:
                          use_caption_duration=use_caption_duration, callback=remote_progress(unique_id),
                          interrupt=comfy.model_management.throw_exception_if_processing_interrupted)
         logger.info("LingbotRemoteGenerate: %s", out.report())
-        return (torch.from_numpy(out.frames), video_output(out.mp4), out.report())
+        # Only the stream that was checked and decoded goes on: ComfyUI probes the bytes it is given (a
+        # polyglot's other format), and Save Video would keep the server's metadata (a key, a workflow).
+        t, h, w = out.frames.shape[:3]
+        return (torch.from_numpy(out.frames), video_output(clean_mp4(out.mp4, frames=t, height=h, width=w)),
+                out.report())

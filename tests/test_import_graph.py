@@ -20,7 +20,7 @@ WING_RULES = {
     "memory": {"files", "model"},
     "sampling": {"model"},
     "net": set(),
-    "prompts": {"net"},
+    "prompts": {"net", "files"},
     "testing": {"files", "model"},
 }
 MAX_TOP_MODULES = 8

@@ -144,17 +144,31 @@ def _check_layout(name: str, header: Dict[str, dict], data_bytes: int) -> None:
             raise bad(key, f"takes {end - begin:,} bytes, but its {info['dtype']} shape {info['shape']} needs "
                       f"{itemsize * math.prod(info['shape']):,}")
         spans.append((begin, end, key))
-    spans.sort()
-    position = 0
-    for begin, end, key in spans:
-        if begin != position:
-            what = "overlaps the tensor before it" if begin < position else "leaves a gap of unused bytes before it"
-            raise bad(key, f"{what} (it begins at byte {begin:,} of the data, the previous tensor ends at {position:,})")
-        position = end
+    fault = span_fault(spans, gaps=False)
+    if fault:
+        raise bad(fault[0], fault[1])
+    position = max((end for _, end, _ in spans), default=0)
     if position != data_bytes:
         raise ModelPackageError(f"{name} is not a readable safetensors file (the tensors end at byte {position:,} of "
                                 f"the data but the file holds {data_bytes:,}); it is damaged or truncated, download "
                                 "it again.")
+
+
+def span_fault(spans, *, gaps: bool):
+    """``(name, what)`` of the first tensor, by offset, whose byte range ``(begin, end, name)`` overlaps the one
+    before it (or, unless ``gaps``, does not begin where it ended; GGUF pads between tensors); None when the
+    ranges are disjoint. Two tensors over the same bytes would make one file look like two models (and a
+    write through one view change the other)."""
+    position, previous = 0, None
+    for begin, end, key in sorted(spans):
+        if begin < position or (begin > position and not gaps):
+            what = "overlaps the tensor before it" if begin < position else "leaves a gap of unused bytes before it"
+            return key, (f"{what}, {previous[:200]!r} (it begins at byte {begin:,} of the data, {previous[:200]!r} "
+                         f"ends at {position:,})" if previous is not None else
+                         f"{what} (it begins at byte {begin:,} of the data)")
+        if end > position or previous is None:
+            position, previous = end, key
+    return None
 
 
 def safetensors_header(path) -> Dict[str, dict]:
@@ -283,6 +297,12 @@ class GGUFFile:
             raise ModelPackageError(f"{component}: {self.path.name} is not a readable GGUF file ({e}); "
                                     "it may be truncated, download it again.") from None
         self._tensors = {t.name: t for t in self._reader.tensors}
+        base = int(self._reader.data_offset)
+        fault = span_fault([(int(t.data_offset) - base, int(t.data_offset) - base + int(t.n_bytes), t.name)
+                            for t in self._reader.tensors], gaps=True)
+        if fault:
+            raise ModelPackageError(f"{component}: {self.path.name} is not a readable GGUF file (tensor {fault[0][:200]!r} "
+                                    f"{fault[1]}); it is damaged or forged, download it again.")
 
     def keys(self):
         return list(self._tensors)

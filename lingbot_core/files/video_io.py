@@ -13,9 +13,12 @@ from typing import Optional
 
 import numpy as np
 
+from .mp4_boxes import ACCEPTED, VIDEO_CODECS, Mp4Refused, check_mp4
+
 # A server that rounds the frame count, or a container whose header counts approximately, may be a
 # few frames off; more than this is another video, refused before it is decoded.
 FRAME_SLACK = 4
+DECODERS = frozenset(VIDEO_CODECS.values())  # FFmpeg's names of the decoders a file may reach
 
 
 class VideoMismatch(ValueError):
@@ -26,17 +29,18 @@ class NotAnMp4(ValueError):
     """The answer is not an mp4 (ISO/QuickTime) file; it was refused before FFmpeg read a frame."""
 
 
-# The only demuxer a server's answer may reach: FFmpeg's mov/mp4 demuxer, forced, never probed (a
-# probe would let a 146-byte ffconcat list read a local file, or a PNG decode at any size). Its data
-# references (files beside the mp4) stay off, and any other file or URL it might open is refused.
+# The only demuxer a file may reach: FFmpeg's mov/mp4 demuxer, forced, never probed (a probe would let
+# a 146-byte ffconcat list read a local file, or a PNG decode at any size). Its data references (files
+# beside the mp4) stay off, any other file or URL it might open is refused, and its edit lists are not
+# applied (FFmpeg rebuilds the whole index once per edit; mp4_boxes bounds their count too).
 MP4_DEMUXER = "mp4"
 _DEMUXER_NAMES = "mov,mp4,m4a,3gp,3g2,mj2"
 _CONTAINER_OPTIONS = {"format_whitelist": _DEMUXER_NAMES, "enable_drefs": "0", "use_absolute_path": "0",
-                      "protocol_whitelist": "none"}
+                      "protocol_whitelist": "none", "ignore_editlist": "1"}
 
 
 def _no_other_files(url, flags, options):
-    raise PermissionError("an mp4 from a server may not open other files")
+    raise PermissionError("an mp4 may not open other files")
 
 
 @dataclass(frozen=True)
@@ -61,27 +65,50 @@ def _stream_info(stream) -> StreamInfo:
     return StreamInfo(int(stream.codec_context.width), int(stream.codec_context.height), frames, duration, fps)
 
 
-def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray:
-    """The first video stream as (frames, height, width, 3) uint8. Only an mp4 is opened (the demuxer
-    is forced: NotAnMp4 for anything else, before a frame is read). Its header is checked against the
-    request before any frame is decoded (VideoMismatch), FFmpeg may not decode a picture larger than
-    the asked size even to read the header, and frames are then decoded one at a time into an array
-    allocated for the request."""
+def _open_mp4(source, *, max_frames: int, max_pixels: int):
+    """``(container, first video stream)`` of an mp4 (bytes or an open binary file), its boxes checked first
+    (:func:`mp4_boxes.check_mp4`: NotAnMp4 before FFmpeg reads a byte), then opened by the mp4 demuxer alone;
+    FFmpeg may not decode a picture of more than ``max_pixels`` even to read the header."""
     import av
 
-    asked = f"{frames} frames of {width}x{height}"
-    # Even the header read (FFmpeg's stream-info pass) decodes a first frame: never one much larger than
-    # asked (twice the pixels: the H.264 decoder checks its padded size, which exceeds width x height).
-    no_larger = {"max_pixels": str(2 * int(width) * int(height))}
     try:
-        container = av.open(io.BytesIO(data), mode="r", format=MP4_DEMUXER, options=no_larger,
+        check_mp4(source, max_frames=max_frames)
+    except Mp4Refused as e:
+        raise NotAnMp4(str(e)) from None
+    if isinstance(source, (bytes, bytearray)):
+        stream_of = io.BytesIO(source)
+    else:
+        stream_of = source
+        stream_of.seek(0)  # the walk left it elsewhere
+    no_larger = {"max_pixels": str(int(max_pixels))}
+    try:
+        container = av.open(stream_of, mode="r", format=MP4_DEMUXER, options=no_larger,
                             container_options=_CONTAINER_OPTIONS, io_open=_no_other_files)
     except av.error.FFmpegError as e:
         raise NotAnMp4(f"not an mp4 file ({type(e).__name__}; only mp4 is accepted, nothing else is opened)") from None
-    with container:
+    try:
         if not container.streams.video:
-            raise ValueError("the file has no video stream")
+            raise NotAnMp4("an mp4 with no video stream")
         stream = container.streams.video[0]
+        if stream.codec_context.name not in DECODERS:
+            raise NotAnMp4(f"an mp4 whose video is {stream.codec_context.name}; only {ACCEPTED} are accepted")
+        stream.codec_context.options = dict(no_larger)  # a frame larger than its header said is refused unallocated
+    except BaseException:
+        container.close()
+        raise
+    return container, stream
+
+
+def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray:
+    """The first video stream as (frames, height, width, 3) uint8. Only an mp4 of H.264, HEVC, AV1 or VP9
+    whose boxes declare no more than ``frames`` allows is opened (NotAnMp4 for anything else, before
+    FFmpeg reads it). Its header is checked against the request before any frame is decoded
+    (VideoMismatch), FFmpeg may not decode a picture larger than the asked size even to read the header,
+    and frames are then decoded one at a time into an array allocated for the request."""
+    asked = f"{frames} frames of {width}x{height}"
+    # Twice the pixels: the H.264 decoder checks its padded size, which exceeds width x height.
+    container, stream = _open_mp4(data, max_frames=frames + FRAME_SLACK, max_pixels=2 * int(width) * int(height))
+    with container:
         info = _stream_info(stream)
         if (info.width, info.height) != (width, height):
             raise VideoMismatch(f"a video of {info.width}x{info.height} (its header) but {asked} were asked for")
@@ -90,7 +117,6 @@ def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray
                                 "asked for")
         if abs(info.frames - frames) > FRAME_SLACK:
             raise VideoMismatch(f"{info.frames:,} frames (its header) but {asked} were asked for")
-        stream.codec_context.options = dict(no_larger)  # a frame larger than its header said is refused unallocated
         out = np.empty((frames, height, width, 3), dtype=np.uint8)
         count = 0
         for frame in container.decode(stream):
@@ -109,36 +135,55 @@ def read_mp4(data: bytes, *, frames: int, height: int, width: int) -> np.ndarray
     return out
 
 
-def read_video_file(path, *, max_frames: int, max_side: int):
-    """A local video file's first video stream as ((T, H, W, 3) uint8, fps), for the command line.
-
-    The header is checked first (size at most ``max_side``, at most ``max_frames`` frames when it says), and
-    decoding stops with an error past ``max_frames`` frames, so a huge file is refused before it fills RAM."""
+def clean_mp4(data: bytes, *, frames: int, height: int, width: int) -> bytes:
+    """A new mp4 holding only the video stream :func:`read_mp4` decodes from ``data`` (same checks, same
+    demuxer, same first video stream), its packets copied as they are: no other stream, none of the
+    server's metadata (a comment, a workflow), and nothing outside the mp4 boxes (a polyglot's other
+    format) reaches whoever probes the bytes next. Call it on an answer read_mp4 accepted."""
     import av
 
+    container, stream = _open_mp4(data, max_frames=frames + FRAME_SLACK, max_pixels=2 * int(width) * int(height))
+    out = io.BytesIO()
+    with container, av.open(out, mode="w", format=MP4_DEMUXER) as copy:
+        target = copy.add_stream_from_template(stream)
+        target.metadata.clear()
+        for packet in container.demux(stream):
+            if packet.dts is None:
+                continue  # the demuxer's flush packet
+            packet.stream = target
+            copy.mux(packet)
+    return out.getvalue()
+
+
+def read_video_file(path, *, max_frames: int, max_side: int):
+    """A local mp4's first video stream as ((T, H, W, 3) uint8, fps), for the command line.
+
+    The file's boxes are checked first (an mp4 of H.264, HEVC, AV1 or VP9 declaring no more samples than
+    ``max_frames`` allows), then its header (size at most ``max_side``, at most ``max_frames`` frames when it
+    says), and decoding stops with an error past ``max_frames`` frames, so a huge file is refused before it
+    fills RAM."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no video file at {path}")
-    try:
-        container = av.open(str(path), mode="r")
-    except av.error.FFmpegError as e:
-        raise ValueError(f"{path} is not a video file FFmpeg can read ({type(e).__name__}).") from None
-    with container:
-        if not container.streams.video:
-            raise ValueError(f"{path} has no video stream.")
-        stream = container.streams.video[0]
-        info = _stream_info(stream)
-        if max(info.width, info.height) > max_side:
-            raise ValueError(f"{path} is {info.width}x{info.height}; at most {max_side} pixels a side are accepted.")
-        too_long = (f"{path} has more than {max_frames} frames; cut it (e.g. ffmpeg -i in.mp4 -frames:v {max_frames} "
-                    "out.mp4) or refine it in parts.")
-        if info.frames is not None and info.frames > max_frames + FRAME_SLACK:
-            raise ValueError(too_long)
-        frames = []
-        for frame in container.decode(stream):
-            if len(frames) == max_frames:
+    too_long = (f"{path} has more than {max_frames} frames; cut it (e.g. ffmpeg -i in.mp4 -frames:v {max_frames} "
+                "out.mp4) or refine it in parts.")
+    with open(path, "rb") as f:
+        try:
+            container, stream = _open_mp4(f, max_frames=max_frames + FRAME_SLACK, max_pixels=max_side * max_side)
+        except NotAnMp4 as e:
+            raise ValueError(f"{path} is {e}. Only mp4 (or mov) files of {ACCEPTED} video are read; convert "
+                             "others with e.g. ffmpeg -i in.mkv -c:v libx264 out.mp4.") from None
+        with container:
+            info = _stream_info(stream)
+            if max(info.width, info.height) > max_side:
+                raise ValueError(f"{path} is {info.width}x{info.height}; at most {max_side} pixels a side are accepted.")
+            if info.frames is not None and info.frames > max_frames + FRAME_SLACK:
                 raise ValueError(too_long)
-            frames.append(frame.to_ndarray(format="rgb24"))
+            frames = []
+            for frame in container.decode(stream):
+                if len(frames) == max_frames:
+                    raise ValueError(too_long)
+                frames.append(frame.to_ndarray(format="rgb24"))
     if not frames:
         raise ValueError(f"{path} has no video frames.")
     if info.fps is None:

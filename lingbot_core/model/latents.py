@@ -130,6 +130,16 @@ class Posterior:
 # ----------------------------------------------------------------------------------------------
 
 
+def integer_pixels(t: torch.Tensor, what: str) -> torch.Tensor:
+    """The one rule for integer pixels (an image's or a video's): they are 0..255 values, not [0, 1] floats;
+    returned as uint8. Booleans and values outside 0..255 are refused."""
+    if t.dtype == torch.bool:
+        raise ValueError(f"{what} must hold pixel values, not booleans.")
+    if t.dtype != torch.uint8 and t.numel() and (t.min() < 0 or t.max() > 255):
+        raise ValueError(f"integer {what} values must be in 0..255; got {int(t.min())}..{int(t.max())}.")
+    return t.to(torch.uint8)
+
+
 def image_to_uint8(image) -> torch.Tensor:
     """PIL image, (H, W, C) float array/tensor in [0, 1] or integer array in 0..255 -> (H, W, 3) uint8.
 
@@ -151,13 +161,8 @@ def image_to_uint8(image) -> torch.Tensor:
         t = t[..., :3]
     elif t.shape[-1] != 3:
         raise ValueError(f"image must have 1, 3 or 4 channels; got {t.shape[-1]}.")
-    if t.dtype == torch.bool:
-        raise ValueError("image must hold pixel values, not booleans.")
-    if not t.is_floating_point() and t.dtype != torch.uint8:
-        # Integer pixels are 0..255 values (not [0, 1] floats).
-        if t.numel() and (t.min() < 0 or t.max() > 255):
-            raise ValueError(f"integer image values must be in 0..255; got {int(t.min())}..{int(t.max())}.")
-        t = t.to(torch.uint8)
+    if not t.is_floating_point():
+        t = integer_pixels(t, "image")
     if t.dtype != torch.uint8:
         t = t.float()
         if not torch.isfinite(t).all():

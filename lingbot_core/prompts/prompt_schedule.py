@@ -73,7 +73,9 @@ def check_schedule(prompts: Sequence[str], num_frames: int, starts: Optional[Seq
                    negative_prompt: Negatives = None) -> PromptSchedule:
     """Check a schedule's prompts, starts (None = evenly spread) and negatives (None or one text for all
     parts, or a list of one or one per part) against a video of ``num_frames`` frames."""
-    prompts = _as_list(prompts, "prompt")
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompt must be text, or a list of texts for a prompt schedule; got {type(prompts).__name__}.")
+    prompts = list(prompts)
     if not prompts:
         raise ValueError("the prompt schedule is empty: give at least one prompt.")
     if len(prompts) > MAX_PARTS:

@@ -18,12 +18,12 @@ from typing import Dict, Optional, Tuple
 from PIL import Image
 
 from .caption_checks import caption_warnings
+from ..files.named_files import read_text_file
 from ..net.chat_client import ChatServer, chat, image_data_url, user_content
 from .text_conditioning import compact_json, frames_for_duration
 
 MODES = ("t2v", "ti2v", "t2i")
 PROMPT_NAMES = ("VIDEO_STEP1_EXPAND", "VIDEO_STEP2_MAP", "IMAGE_STEP1_EXPAND", "IMAGE_STEP2_MAP", "NEG_SYS")
-MAX_PROMPT_FILE_BYTES = 4 * 1024 * 1024
 _CJK = re.compile("[\u4e00-\u9fff]")
 _FENCED = re.compile(r"```(?:json)?\s*(\{.*?)\s*```", re.DOTALL)  # an object in a fence, even if cut short
 _THINK = re.compile(r"^\s*<think>.*?</think>", re.DOTALL)
@@ -40,9 +40,7 @@ class RewriteError(ValueError):
 
 
 def _read_bounded(path: Path) -> bytes:
-    if path.stat().st_size > MAX_PROMPT_FILE_BYTES:
-        raise ValueError(f"{path} is larger than {MAX_PROMPT_FILE_BYTES >> 20} MiB; it is not a rewriter prompt file.")
-    return path.read_bytes()
+    return read_text_file(path, what="a rewriter prompt file")
 
 
 def _constants_from_python(path: Path) -> Dict[str, str]:

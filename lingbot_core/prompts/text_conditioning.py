@@ -16,6 +16,7 @@ from typing import Any, Optional, Tuple
 import torch
 from PIL import Image
 
+from ..files.named_files import read_text_file
 from .caption_checks import caption_warnings
 
 # Verbatim data (see docs): 801 characters, one "{}" placeholder for the user text.
@@ -154,13 +155,28 @@ _BOMS = (
 _RESAVE = "save it as UTF-8 (in most editors: 'Save with encoding' -> UTF-8) and load it again."
 
 
+def _utf16_without_mark(raw: bytes):
+    """"UTF-16 LE" or "UTF-16 BE" when the NUL bytes fall on one parity (the high bytes of ASCII letters in
+    UTF-16 without a mark), else None. UTF-8 text holds no NUL at all."""
+    head = raw[:4096]
+    even, odd = head[0::2].count(0), head[1::2].count(0)
+    if len(head) < 4 or even + odd < len(head) // 8:
+        return None
+    if odd > 4 * even:
+        return "UTF-16 LE"
+    if even > 4 * odd:
+        return "UTF-16 BE"
+    return None
+
+
 def read_prompt_file(path) -> str:
     """A prompt file's text, as editors save it: UTF-8 with or without a byte order mark, or UTF-16 (LE or
-    BE) with one. Anything else is refused with a message naming the file and, where the bytes tell,
+    BE) with one, at most ``named_files.MAX_TEXT_FILE_BYTES`` of a regular file (checked before it is read).
+    Anything else is refused with a message naming the file and, where the bytes tell,
     the encoding (a raw ``UnicodeDecodeError`` names neither). Line ends are read as Python's text mode
     reads them (CRLF and CR become LF), so a file from Windows encodes as the same prompt."""
     path = Path(path)
-    raw = path.read_bytes()
+    raw = read_text_file(path)
     name, codec, body = "UTF-8", "utf-8", raw
     for mark, mark_name, mark_codec in _BOMS:
         if raw.startswith(mark):
@@ -168,6 +184,11 @@ def read_prompt_file(path) -> str:
                 raise ValueError(f"{path.name} is saved as {mark_name}, which is not read; {_RESAVE}")
             name, codec, body = mark_name, mark_codec, raw[len(mark):]
             break
+    else:
+        unmarked = _utf16_without_mark(raw)
+        if unmarked:
+            raise ValueError(f"{path.name} looks like UTF-16 without a byte order mark ({unmarked}: every other "
+                             f"byte is NUL); {_RESAVE}")
     try:
         text = body.decode(codec)
     except UnicodeDecodeError as e:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -224,3 +225,43 @@ def test_the_native_vae_loader_checks_the_layout_too(packages, tmp_path):
     shutil.copyfile(bad, vae)
     with pytest.raises(ModelPackageError, match=r"diffusion_pytorch_model\.safetensors.*overlaps the tensor before it"):
         load_original_wan21(package)
+
+
+# -- GGUF tensors over the same bytes (issue 51): the span rule safetensors files already follow ----------------
+
+def _gguf_with_overlap(path, overlap: bool):
+    """Three F32 tensors written by gguf-py; with ``overlap``, the offset of 'blk.0.b' is moved onto 'blk.0.a'."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "qwen3vl")
+    for i, name in enumerate(("blk.0.a", "blk.0.b", "blk.0.c")):
+        writer.add_tensor(name, np.full((4, 8), i, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    if overlap:
+        reader = gguf.GGUFReader(str(path), "r+")
+        tensors = {t.name: t for t in reader.tensors}
+        base = reader.data_offset
+        # a tensor info's last part is its offset, relative to the data section
+        tensors["blk.0.b"].field.parts[-1][0] = tensors["blk.0.a"].data_offset - base + 64
+        reader.data.flush()
+        del reader
+
+
+@pytest.mark.parametrize("component", ["transformer", "text_encoder"])
+def test_overlapping_gguf_tensors_are_refused_naming_both(tmp_path, component):
+    from lingbot_core.files.checkpoint_files import GGUFFile
+    from lingbot_core.model.text_encoder_gguf import TextEncoderGGUF
+
+    good, bad = tmp_path / "good.gguf", tmp_path / "forged.gguf"
+    _gguf_with_overlap(good, overlap=False)
+    _gguf_with_overlap(bad, overlap=True)
+    assert GGUFFile(good, component).keys() == ["blk.0.a", "blk.0.b", "blk.0.c"]
+    opener = (lambda p: GGUFFile(p, component)) if component == "transformer" else (lambda p: TextEncoderGGUF(p, None))
+    with pytest.raises(ModelPackageError) as info:
+        opener(bad)
+    msg = str(info.value)
+    assert msg.startswith(f"{component}: forged.gguf is not a readable GGUF file (tensor 'blk.0.b' overlaps the "
+                          "tensor before it, 'blk.0.a' (it begins at byte 64 of the data, 'blk.0.a' ends at 128)"), msg

@@ -524,3 +524,40 @@ def test_unload_node_frees_the_pipeline_and_the_next_run_reloads(server, baselin
     assert "2" in executed_nodes(entry)
     assert any(f"loading {DENSE} (transformer)" in line for line in log_lines()[mark:]), "GenerateVideo did not reload the weights"
     np.testing.assert_array_equal(frames, baseline)
+
+
+# -- files a workflow names (issue 51) -------------------------------------------------------------
+
+
+def test_a_prompt_file_linked_out_of_input_or_too_large_is_refused(server, baseline, tmp_path):
+    """A link in input/ to a file elsewhere is listed (ComfyUI lists what it finds) but never read; a 200 MB
+    caption (sparse) is refused from its size, the server's RSS flat (+800 MiB peak on main)."""
+    from bench.server_rss import kib
+
+    secret = tmp_path / "private.json"
+    secret.write_text(json.dumps({"caption": {"scene": "the private text"}, "duration": 0.2}))
+    link, huge = Path(server.input_dir) / "linked_out.json", Path(server.input_dir) / "huge_caption.json"
+    link.symlink_to(secret)
+    with open(huge, "wb") as f:
+        f.truncate(200_000_000)
+    try:
+        def graph(name):
+            return {"1": loader(), "8": {"class_type": "LoadLingbotPrompt", "inputs": {"prompt_file": name, "fps": 24}},
+                    "2": generate(prompt=["8", 0], fps=next(_fps)), "3": save("2")}
+
+        err, entry = expect_exec_error(server, graph(link.name), "8",
+                                       r"prompt_file 'linked_out.json' leads outside .* through a link")
+        assert "private text" not in json.dumps(entry)
+        pid = server.proc.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        before = kib("VmRSS", pid)
+        expect_exec_error(server, graph(huge.name), "8", r"huge_caption\.json is 200,000,000 bytes; a prompt file is "
+                                                         r"at most 4 MiB")
+        rise = kib("VmHWM", pid) - before
+        print(f"\n  200 MB caption refused: server peak RSS rise {rise / 2**20:.1f} MiB")
+        assert rise < 64 * 2**20
+    finally:
+        link.unlink()
+        huge.unlink()
+    assert_still_good(server, baseline)

@@ -125,3 +125,34 @@ def test_every_widget_the_browser_sends_is_taken(comfy_server, remote):
     assert saved_frames(comfy_server, entry, "90").shape == (9, 64, 96, 3)
     # local-only sampling controls do not reach a server, so the node does not offer them
     assert not {"step_cache", "sampler", "sigmas"} & set(info["input"].get("optional", {}))
+
+
+@comfy
+def test_the_video_output_is_the_checked_stream_alone_without_the_servers_metadata(comfy_server, remote):
+    """Issue 51: an answer whose mp4 boxes are what was asked (9 frames of 96x64) but that FFmpeg's probe reads
+    as a hidden MPEG-TS (12 frames of 320x176), with a key and a workflow in its metadata. On main Save Video
+    stored the hidden video and the metadata; the VIDEO output is now a clean mp4 of the checked stream."""
+    import io
+
+    import av
+
+    from support import mp4_forge as forge
+
+    key = "sk-lingbot-hostile-42"
+    hidden = forge.encode(frames=12, width=320, height=176, fmt="mpegts", options={"preset": "ultrafast"})
+    mp4 = forge.encode(frames=9, metadata={"comment": f"Bearer {key}", "workflow": '{"nodes": []}'},
+                       container_options={"movflags": "use_metadata_tags"})
+    answer = forge.disguised(mp4, hidden)
+    with av.open(io.BytesIO(answer)) as probed:
+        assert probed.format.name == "mpegts"
+    remote.scripts.append(Script(content=answer))
+    api = example_prompt(comfy_server, remote, seed=7)
+    entry = comfy_server.run(api, timeout=120)
+    (saved,) = [p for p in node_files(comfy_server, entry, nodes_of(api, "SaveVideo")[0]) if p.suffix == ".mp4"]
+    data = saved.read_bytes()
+    assert key.encode() not in data and b"Bearer" not in data
+    with av.open(str(saved)) as c:
+        assert [s.type for s in c.streams] == ["video"]
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert np.stack(frames).shape == (9, 64, 96, 3)
+    assert packets(saved) == packets(mp4)  # the checked stream, packet for packet

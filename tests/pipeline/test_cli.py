@@ -173,3 +173,23 @@ def test_cli_without_model_dir_names_the_missing_file(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"--refiner_file"):
         main(["generate", "--transformer_file", str(gguf), "--text_encoder_file", str(gguf), "--vae_file", str(gguf),
               "--prompt", "a cat", "--device", "cpu", "--run_refiner"])
+
+
+@pytest.mark.parametrize("kind", ["folder", "png renamed .mp4"])
+def test_cli_hostile_files_are_plain_errors(tmp_path, capsys, kind):
+    """A folder as --prompt_json and a PNG renamed .mp4 as --video: 'error: ...' and exit 2, no traceback,
+    before any model is looked for."""
+    from lingbot_core.cli import main
+
+    args = ["generate", "--model_dir", str(tmp_path / "no-model")]
+    if kind == "folder":
+        args += ["--prompt_json", str(tmp_path)]
+        expected = f"error: {tmp_path} is a folder, not a prompt file"
+    else:
+        fake = tmp_path / "clip.mp4"
+        Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(fake, format="PNG")
+        args += ["--prompt", "a kite", "--video", str(fake)]
+        expected = f"error: {fake} is not an mp4 file (its first box is"
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err, err

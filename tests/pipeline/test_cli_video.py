@@ -22,7 +22,7 @@ def write_mp4(path, frames: int, fps: int, height: int = 48, width: int = 80) ->
 
     base = np.random.default_rng(3).integers(0, 255, (height, width, 3), dtype=np.uint8)
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("mpeg4", rate=fps)
+        stream = container.add_stream("libx264", rate=fps)  # H.264: the CLI reads what a video server sends
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for i in range(frames):
             for packet in stream.encode(av.VideoFrame.from_ndarray(np.roll(base, 2 * i, axis=1), format="rgb24")):

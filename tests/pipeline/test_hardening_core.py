@@ -227,6 +227,8 @@ BAD_GENERATE = [
     ("TI2V prompt empty", dict(prompt="", image=IMAGE), r"prompt is empty"),
     ("TI2V negative bad JSON", dict(negative_prompt="[1,", image=IMAGE), r"negative_prompt starts with '\[' but is not valid JSON"),
     ("TI2V width=100", dict(width=100, image=IMAGE), r"width=100 .*multiple of 16 .*e\.g\. 96 or 112"),
+    ("denoise=None", dict(denoise=None), r"denoise=None is not allowed: use a number, a strength in \(0, 1\]"),
+    ("denoise='0.5'", dict(denoise="0.5"), r"denoise='0\.5' is not allowed: use a number"),
 ]
 
 
@@ -271,6 +273,10 @@ BAD_REFINE = [
     ("output_type=gif", dict(output_type="gif"), r"output_type='gif' .*'np', 'pt' or 'latent'"),
     ("one frame", dict(frames=np.random.default_rng(0).random((1, 32, 32, 3), dtype=np.float32)),
      r"Refine needs a video of at least 5 frames; got 1"),
+    ("5 frames at 120 fps", dict(fps=120.0), r"Refine needs a video of at least 5 frames; got 5; at 120 fps they are "
+                                             r"resampled to 1 at the refiner's 24 fps \(the refiner is not trained"),
+    ("9 frames, max_frames=3", dict(frames=np.zeros((9, 32, 32, 3), np.float32), max_frames=3),
+     r"got 9; at 24 fps they are resampled to 3 at the refiner's 24 fps \(max_frames=3\)"),
     ("four channels", dict(frames=np.zeros((5, 32, 32, 4), np.float32)), r"frames must be \(T, H, W, 3\)"),
     ("NaN frames", dict(frames=np.full((5, 32, 32, 3), np.nan, np.float32)), r"frames contain NaN"),
 ]
@@ -498,3 +504,27 @@ def test_soak_load_generate_switch_release(packages, record_property):
     record_property("soak_rss_mib", [round(m, 1) for m in mib])
     record_property("soak_seconds", round(elapsed, 1))
     assert abs(rss[-1] - rss[0]) <= 0.10 * rss[0], f"RSS changed from {mib[0]:.1f} to {mib[-1]:.1f} MiB"
+
+
+def test_an_integer_video_is_read_as_0_to_255_like_an_image(plain_pipe):
+    """generate(video=uint8) used to clamp every non-zero pixel to white: the VAE now sees the same pixels as
+    for the same video in [0, 1] floats (the image rule, latents.integer_pixels)."""
+    pipe, _ = plain_pipe
+    video = np.random.default_rng(4).integers(0, 256, (5, 32, 32, 3), dtype=np.uint8)
+    seen = []
+
+    class Seen(Exception):
+        pass
+
+    def capture(pixels, **_):
+        seen.append(pixels.clone())
+        raise Seen
+
+    for frames in (video, video.astype(np.int64), video.astype(np.float32) / 255):
+        with mock.patch.object(pipe, "encode_video", side_effect=capture), pytest.raises(Seen):
+            pipe.generate(PROMPT, video=frames, denoise=0.5, **{k: v for k, v in RUN.items() if k != "num_frames"})
+    assert seen[0].max() <= 1.0 and seen[0].float().mean() < 0.75  # not white
+    torch.testing.assert_close(seen[0], seen[2], rtol=0, atol=1e-6)
+    torch.testing.assert_close(seen[1], seen[2], rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"integer video values must be in 0\.\.255; got 300\.\.300"):
+        pipe.generate(PROMPT, video=np.full((5, 32, 32, 3), 300, np.int64), denoise=0.5, height=32, width=32, steps=3)

@@ -116,3 +116,74 @@ def test_timestamps_past_the_duration_or_malformed_warn():
     assert caption_warnings(caption, 6.0)[0].startswith("prominent_elements[1] 'dog'")
     # parse_prompt (LoadLingbotPrompt, GenerateVideo) carries the same warnings
     assert parse_prompt(json.dumps({"caption": caption, "duration": 5})).warnings == tuple(caption_warnings(caption, 5.0))
+
+
+# -- files a stranger names (issue 51): one reader, one path rule (lingbot_core.files.named_files) ----------
+
+@pytest.mark.parametrize("codec, named", [("utf-16-le", "UTF-16 LE"), ("utf-16-be", "UTF-16 BE")])
+def test_utf16_without_a_mark_is_named_even_when_it_is_not_ascii(tmp_path, codec, named):
+    path = tmp_path / "wide.json"
+    path.write_bytes(json.dumps(WIDE, ensure_ascii=False).encode(codec))  # CJK: not decodable as UTF-8
+    with pytest.raises(ValueError, match=rf"wide\.json looks like UTF-16 without a byte order mark \({named}: "
+                                         r"every other byte is NUL\); save it as UTF-8"):
+        read_prompt_file(path)
+
+
+def test_a_prompt_file_larger_than_the_bound_is_refused_before_it_is_read(tmp_path):
+    """A 200 MB caption (sparse here) is refused from fstat's size: the bytes read stay 0 (peak +800 MiB on main)."""
+    import tracemalloc
+
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(200_000_000)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=r"huge\.json is 200,000,000 bytes; a prompt file is at most 4 MiB"):
+            read_prompt_file(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20
+
+
+@pytest.mark.parametrize("kind", ["folder", "fifo", "/dev/zero"])
+def test_only_a_regular_file_is_read(tmp_path, kind):
+    import os
+
+    if kind == "folder":
+        path, named = tmp_path, "a folder"
+    elif kind == "fifo":
+        path, named = tmp_path / "pipe.json", r"a FIFO \(named pipe\)"
+        os.mkfifo(path)  # nobody writes: a plain open would block for ever
+    else:
+        path, named = "/dev/zero", "a character device"
+    with pytest.raises(ValueError, match=rf"is {named}, not a prompt file; only a regular file is read"):
+        read_prompt_file(path)
+
+
+def test_the_rewriters_prompt_files_share_the_reader(tmp_path):
+    from lingbot_core.prompts.rewriter import load_system_prompts
+
+    path = tmp_path / "VIDEO_STEP1_EXPAND.txt"
+    with open(path, "wb") as f:
+        f.truncate(5 << 20)
+    with pytest.raises(ValueError, match=r"is 5,242,880 bytes; a rewriter prompt file is at most 4 MiB"):
+        load_system_prompts(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["../secret.json", "/etc/passwd", "a/../../secret.json", "link.json", "dirlink/x.json"])
+def test_a_name_must_stay_inside_its_folder_links_resolved(tmp_path, name):
+    from lingbot_core.files.named_files import inside
+
+    root, outside = tmp_path / "input", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    (outside / "x.json").write_text("{}")
+    (root / "link.json").symlink_to(outside / "x.json")
+    (root / "dirlink").symlink_to(outside)
+    with pytest.raises(ValueError, match=re.escape(f"prompt_file {name!r} ")):
+        inside(root, name, what="prompt_file")
+    (root / "sub").mkdir()
+    (root / "sub" / "ok.json").write_text("{}")
+    (root / "inner.json").symlink_to(root / "sub" / "ok.json")  # a link that stays inside is fine
+    assert inside(root, "inner.json") == (root / "sub" / "ok.json").resolve()

@@ -299,4 +299,4 @@ def test_huge_prompt_file_is_refused_before_it_is_read(tmp_path, name):
     for where in (path, tmp_path):
         with pytest.raises(ValueError, match=r"prompts?\.py|VIDEO_STEP1_EXPAND\.txt") as e:
             load_system_prompts(where)
-        assert "is larger than 4 MiB; it is not a rewriter prompt file" in str(e.value)
+        assert "is 16,777,216 bytes; a rewriter prompt file is at most 4 MiB" in str(e.value)
