@@ -8,7 +8,7 @@ halves the weight traffic of a streaming offload and gives the same bits as one 
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 import numpy as np
 import torch
@@ -21,6 +21,12 @@ from .step_cache import StepCache
 # A callback may carry a ``status(text)`` attribute: it then receives short status lines per step
 # (the step cache's computed / skipped counts).
 StepCallback = Callable[[int, int, torch.Tensor], None]
+
+# Runs the two CFG branches of one DiT call somewhere else (lingbot_core.parallel: one branch per rank):
+# ``cfg_runner(branch, positive, negative)`` -> ``(v_cond, v_uncond)``, where ``branch(text, j)`` runs the DiT
+# on branch ``j`` (0 cond, 1 uncond) and returns its fp32 velocity. Every rank gets both velocities back.
+CfgRunner = Callable[[Callable[[torch.Tensor, int], torch.Tensor], torch.Tensor, torch.Tensor],
+                     Tuple[torch.Tensor, torch.Tensor]]
 
 
 def sample(
@@ -40,6 +46,7 @@ def sample(
     generator: Optional[torch.Generator] = None,
     windows: Optional[ContextWindows] = None,
     interrupt: Optional[Callable[[], None]] = None,
+    cfg_runner: Optional[CfgRunner] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -58,6 +65,8 @@ def sample(
     A ``step_cache`` needs one branch state per CFG branch per window (window-major).
     ``interrupt`` (the host's cancel check, a callable that raises to cancel) runs before every window's DiT
     call when there are several, so a cancel waits for one window, not for a whole step.
+    ``cfg_runner`` (:data:`CfgRunner`, None = both branches here) computes the two guidance branches, e.g. on two
+    ranks at once; ``lockstep`` then does not apply.
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
@@ -80,7 +89,10 @@ def sample(
         return None if step_cache is None else [step_cache.branches[window * per_window + j] for j in branches]
 
     def guided(xw, t_model, window):
-        if do_cfg and lockstep:
+        if do_cfg and cfg_runner is not None:
+            v, v_uncond = cfg_runner(
+                lambda text, j: transformer(xw, t_model, text, step_cache=caches(window, j)).float(), positive, negative)
+        elif do_cfg and lockstep:
             v, v_uncond = (o.float() for o in transformer(xw, t_model, [positive, negative], step_cache=caches(window, 0, 1)))
         else:
             v = transformer(xw, t_model, positive, step_cache=caches(window, 0)).float()
