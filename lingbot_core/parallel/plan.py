@@ -15,6 +15,10 @@ The world is ``cfg_degree x context_degree`` ranks, rank ``r`` = ``cfg_rank * co
 
 Offload: plans that only split CFG allow every offload mode on each rank (each rank is a whole pipeline);
 context parallel and FSDP need offload ``none`` (their hooks own the weights' placement).
+
+T2V, TI2V and the refiner split alike: TI2V's image tokens are part of both prompts' embeddings and its first
+latent frame is pinned on every rank, so the cond and uncond branches stay independent computations (the
+reference's image-to-video pipeline also takes a CFG-parallel group).
 """
 
 from __future__ import annotations

@@ -11,6 +11,11 @@ Step callbacks run on every rank after the same step. A callback that raises on 
 ranks waiting in their next collective until the group's timeout, so a cancel must be a collective decision:
 ``if ctx.any_rank(cancel_requested): raise ...`` inside the callback (every rank calls it at that step). The
 same holds for a callback's ``interrupt`` check (run between context windows).
+
+After ``parallelize`` the pipeline's LoRAs, offload mode and speed options are fixed (changing them raises
+ValueError): release it, load again and parallelize again, with the same context or a new one (an initialised
+group of the same size is reused). Launch several local ranks with ``torchrun --standalone`` (a static
+rendezvous on ``--master_port 0`` waits forever).
 """
 
 from __future__ import annotations
