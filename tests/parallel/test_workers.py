@@ -188,3 +188,25 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path, packages):
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), "the worker outlived its parent"
+
+
+def test_gpu_choices_resolve_to_devices_or_say_what_is_wrong():
+    from lingbot_core.parallel.plan import ParallelPlan
+    from lingbot_core.parallel.remote_pipeline import WorkerSetup, resolve_devices
+
+    assert resolve_devices("all", 4, False) == ("cuda:0", "cuda:1", "cuda:2", "cuda:3")
+    assert resolve_devices("2", 4, False) == ("cuda:0", "cuda:1")
+    assert resolve_devices("0, cuda:3", 4, False) == ("cuda:0", "cuda:3")
+    assert resolve_devices("2", 0, True) == ("cpu", "cpu")
+    with pytest.raises(ValueError, match=r"asks for 4 GPU\(s\), but this machine has 2 \(cuda:0..cuda:1\)"):
+        resolve_devices("4", 2, False)
+    with pytest.raises(ValueError, match=r"asks for 2 GPU\(s\) \(index 5\), but this machine has 4"):
+        resolve_devices("1,5", 4, False)
+    with pytest.raises(ValueError, match="names a GPU twice"):
+        resolve_devices("1,1", 4, False)
+    with pytest.raises(ValueError, match="no CUDA GPU is present"):
+        resolve_devices("2", 0, False)
+    with pytest.raises(ValueError, match="only a number of CPU worker processes"):
+        resolve_devices("0,1", 0, True)
+    with pytest.raises(ValueError, match=r"needs 4 GPU\(s\), one per rank, but 2 were chosen"):
+        WorkerSetup.create(ParallelPlan(2, 2), ("cuda:0", "cuda:1"))
