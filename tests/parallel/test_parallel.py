@@ -2,7 +2,7 @@
 single-process frames (tiny fp32 packages; the MoE within its reference bar), FSDP keeps about half the weights
 per rank, every rank sees the same steps, and the command line under torchrun writes the 1-process frames.
 
-All distributed work runs in ONE torchrun launch (tests/parallel/rank_worker.py) shared by the module: two
+All distributed work runs in ONE torchrun launch (tests/support/parallel_ranks.py) shared by the module: two
 processes importing torch/diffusers/transformers dominate the cost.
 """
 
@@ -65,7 +65,7 @@ def runs(packages, tmp_path_factory):
     path = os.pathsep.join([str(TESTS), str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
     env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--standalone",
-           str(Path(__file__).with_name("rank_worker.py")), str(out / "spec.json")]
+           str(TESTS / "support" / "parallel_ranks.py"), str(out / "spec.json")]
     proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return out

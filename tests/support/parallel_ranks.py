@@ -1,4 +1,4 @@
-"""One rank of the parallel tests, started by torchrun from test_parallel.py: runs every case of a JSON spec
+"""Starts: one rank of the parallel tests (torchrun runs two, from tests/parallel/test_parallel.py); runs every case of a JSON spec
 with its plan on this rank, then the spec's command lines (``lingbot_core.cli.main``, which joins the same
 process group and leaves it at the end). Rank 0 writes each case's frames (.npy); every rank writes what it
 saw (.json): the weight bytes it holds, the tokens its first attention got, its steps, or the error raised."""
