@@ -12,7 +12,7 @@ re-runs the parent's ``__main__`` file (ComfyUI's ``main.py``: argument parsing,
 unpickles its target by module name, and ComfyUI imports a custom-node pack under a name made from its
 path, which no child can import. A worker here is ``python -c`` importing ``lingbot_core`` from the
 pack's root, connected by a socket pair it inherits; only plain values and tensors cross (pickled),
-never the pack's classes (see :func:`to_wire`).
+never the pack's classes (see :class:`Wire`).
 
 Bounded everywhere:
 
@@ -109,37 +109,96 @@ def release_devices(devices: Sequence[str], label: str) -> None:
 # -- values that cross the process boundary -----------------------------------------------------------
 
 _IMAGE_CONDITION = "lingbot.ImageCondition"
+_TENSOR_FILE = "lingbot.TensorFile"
+#: Tensors from this size cross as files in the pool's private folder, mapped by the receiver: pickling a
+#: tensor copies it through torch's serializer (a 5 s 480p video's 553 MiB of frames: 20 s, against 2.6 s).
+SHARE_BYTES = 1 << 20
 
 
-def to_wire(value):
-    """``value`` with the pack's own classes replaced by tagged tuples of tensors (each process has its own
-    import of the pack, under its own module name, so their classes cannot be pickled across)."""
-    from ..pipeline import ImageCondition
+class Wire:
+    """What crosses between the processes: plain values and tensors, never the pack's classes (each process
+    imports the pack under its own module name), so an ``ImageCondition`` crosses as its two tensors; tensors
+    of :data:`SHARE_BYTES` or more cross as files named ``prefix-N.bin`` in ``folder`` (the pool's private one).
+    The parent deletes every file once read (results, steps) or once the request is answered (arguments)."""
 
-    if isinstance(value, ImageCondition):
-        return (_IMAGE_CONDITION, value.posterior.moments, value.pixels)
-    if isinstance(value, dict):
-        return {k: to_wire(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)) and not _is_tag(value):
-        return type(value)(to_wire(v) for v in value)
-    return value
+    def __init__(self, folder: str, prefix: str):
+        self.folder, self.prefix = folder, prefix
+        self._count = 0
+        self.written: List[str] = []
 
+    def pack(self, value):
+        import torch
 
-def from_wire(value):
-    from ..model.latents import Posterior
-    from ..pipeline import ImageCondition
+        from ..pipeline import ImageCondition
 
-    if _is_tag(value):
-        return ImageCondition(Posterior(value[1]), value[2])
-    if isinstance(value, dict):
-        return {k: from_wire(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(from_wire(v) for v in value)
-    return value
+        if isinstance(value, ImageCondition):
+            return (_IMAGE_CONDITION, self.pack(value.posterior.moments), self.pack(value.pixels))
+        if isinstance(value, torch.Tensor) and value.numel() * value.element_size() >= SHARE_BYTES:
+            return self._to_file(value)
+        if isinstance(value, dict):
+            return {k: self.pack(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)) and not _is_tag(value):
+            return type(value)(self.pack(v) for v in value)
+        return value
+
+    def _to_file(self, tensor):
+        import torch
+
+        flat = tensor.detach().to("cpu").contiguous().view(-1)
+        self._count += 1
+        path = os.path.join(self.folder, f"{self.prefix}-{self._count}.bin")
+        with open(path, "wb") as f:
+            f.write(memoryview(flat.view(torch.uint8).numpy()))
+        self.written.append(path)
+        return (_TENSOR_FILE, path, str(flat.dtype).replace("torch.", ""), tuple(tensor.shape))
+
+    def unpack(self, value, delete: bool):
+        """``value`` as sent; ``delete``: remove each tensor file once mapped (the mapping stays valid)."""
+        import torch
+
+        from ..model.latents import Posterior
+        from ..pipeline import ImageCondition
+
+        if _is_tag(value) and value[0] == _IMAGE_CONDITION:
+            return ImageCondition(Posterior(self.unpack(value[1], delete)), self.unpack(value[2], delete))
+        if _is_tag(value):
+            _, path, dtype, shape = value
+            if os.path.dirname(path) != self.folder:
+                raise WorkerError(f"a worker sent a tensor file outside the pool's folder: {path}")
+            count = 1
+            for n in shape:
+                count *= n
+            tensor = torch.from_file(path, shared=False, size=count, dtype=getattr(torch, dtype)).view(shape)
+            if delete:
+                os.unlink(path)
+            return tensor
+        if isinstance(value, dict):
+            return {k: self.unpack(v, delete) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(self.unpack(v, delete) for v in value)
+        return value
+
+    def forget(self) -> None:
+        """Delete the files this side wrote (the parent, once every rank has answered)."""
+        for path in self.written:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        self.written.clear()
 
 
 def _is_tag(value) -> bool:
-    return isinstance(value, tuple) and len(value) == 3 and value[0] == _IMAGE_CONDITION
+    return isinstance(value, tuple) and len(value) > 0 and value[0] in (_IMAGE_CONDITION, _TENSOR_FILE)
+
+
+def _shared_folder() -> Optional[str]:
+    """/dev/shm where it is a roomy tmpfs (files there are memory: no disk writeback), else the temp folder."""
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return "/dev/shm" if stats.f_bavail * stats.f_frsize >= 4 << 30 else None
 
 
 def _send(conn: Connection, message) -> None:
@@ -192,6 +251,7 @@ class WorkerPool:
         self._conns: List[Connection] = []
         self._lifeline: Optional[int] = None
         self._dir: Optional[str] = None
+        self._wire: Optional[Wire] = None
         self._flag: Optional[mmap.mmap] = None
         self._seq = 0
         self._lock = threading.RLock()
@@ -228,7 +288,8 @@ class WorkerPool:
                 raise
 
     def _spawn(self) -> None:
-        self._dir = tempfile.mkdtemp(prefix="lingbot-workers-")  # 0700: the cancel flag is private
+        self._dir = tempfile.mkdtemp(prefix="lingbot-workers-", dir=_shared_folder())  # 0700: private
+        self._wire = Wire(self._dir, "p")
         flag_path = os.path.join(self._dir, "cancel")
         with open(flag_path, "wb") as f:
             f.write(_FLAG.pack(-1))
@@ -239,7 +300,7 @@ class WorkerPool:
             os.close(fd)
         read_end, self._lifeline = os.pipe()
         env = self._environment()
-        code = "import sys; from lingbot_core.parallel.workers import serve; sys.exit(serve(int(sys.argv[1]), int(sys.argv[2])))"
+        code = "import sys; from lingbot_core.parallel.workers import main; main(int(sys.argv[1]), int(sys.argv[2]))"
         try:
             for rank in range(self.world_size):
                 parent_sock, child_sock = socket.socketpair()
@@ -339,15 +400,19 @@ class WorkerPool:
             self._seq += 1
             seq = self._seq
             forward = {"steps": callback is not None, "status": getattr(callback, "status", None) is not None}
-            payload = to_wire((method, args, kwargs))
             try:
+                payload = self._wire.pack((method, args, kwargs))
                 for conn in self._conns:
                     _send(conn, ("call", seq, payload, forward))
-            except OSError:
+            except OSError as e:
                 self._kill_all()
-                raise WorkerError(f"{self.label}: the workers could not be reached; they were stopped and start "
-                                  "again when next used.") from None
-            return self._collect(seq, callback)
+                raise WorkerError(f"{self.label}: the request could not reach the workers ({e}); they were stopped "
+                                  "and start again when next used.") from None
+            try:
+                return self._collect(seq, callback)
+            finally:
+                if self._wire is not None:
+                    self._wire.forget()
 
     def _collect(self, seq: int, callback):
         replies: Dict[int, tuple] = {}
@@ -361,9 +426,10 @@ class WorkerPool:
                 kind = message[0]
                 if kind == "step":
                     self.steps_run += 1
+                    x0 = self._wire.unpack(message[3], delete=True)
                 if kind == "step" and host_error is None and callback is not None:
                     try:
-                        callback(message[1], message[2], message[3])
+                        callback(message[1], message[2], x0)
                     except BaseException as e:  # the host's cancel (or a failing preview): stop every rank
                         host_error = self._cancel(seq, e)
                 elif kind == "status" and callback is not None and host_error is None:
@@ -394,7 +460,7 @@ class WorkerPool:
             raise WorkerError(f"{self.label}: the workers stopped a request nobody cancelled.")
         self.last_stats = replies[0][2]
         self.rss = [replies[r][2]["rss"] for r in range(self.world_size)]
-        return from_wire(replies[0][1])
+        return self._wire.unpack(replies[0][1], delete=True)
 
     def _cancel(self, seq: int, error: BaseException) -> BaseException:
         if self._flag is not None:
@@ -439,7 +505,7 @@ class WorkerPool:
             self._flag.close()
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
-        self._procs, self._conns, self._lifeline, self._flag, self._dir = [], [], None, None, None
+        self._procs, self._conns, self._lifeline, self._flag, self._dir, self._wire = [], [], None, None, None, None
         release_devices(self.devices, self.label)
 
     def __del__(self):  # a pool dropped without stop(): its workers see the lifeline close and exit
@@ -487,6 +553,7 @@ class _Rank:
         self.setup = setup
         self.conn = conn
         self.rank = setup["rank"]
+        self.wire = Wire(os.path.dirname(setup["flag"]), f"r{self.rank}")
         self.pipe = None
         self.ctx = None  # lingbot_core.parallel.runtime's context, once the group is up
         fd = os.open(setup["flag"], os.O_RDONLY)
@@ -518,20 +585,22 @@ class _Rank:
             if self.cancelled(seq):
                 raise Cancelled()
             if self.rank == 0 and forward["steps"]:
-                _send(self.conn, ("step", step, steps, x0.detach().to("cpu", copy=True)))
+                x0 = x0.detach().to("cpu", copy=True)
+                _send(self.conn, ("step", step, steps, self.wire.pack(x0)))
 
         if self.rank == 0 and forward["status"]:
             callback.status = lambda text: _send(self.conn, ("status", str(text)))
         return callback
 
     def run(self, seq: int, payload, forward: dict):
-        method, args, kwargs = from_wire(payload)
+        method, args, kwargs = self.wire.unpack(payload, delete=False)  # the parent deletes its files
+        self.wire.written.clear()  # and the files this rank sends
         if method.startswith("_") or not callable(getattr(self.pipe, method, None)):
             raise ValueError(f"a worker pipeline has no method {method!r}.")
         if method in ("generate", "refine", "denoise"):
             kwargs["callback"] = self.step_callback(seq, forward)
         result = getattr(self.pipe, method)(*args, **kwargs)
-        return to_wire(result) if self.rank == 0 else None
+        return self.wire.pack(result) if self.rank == 0 else None
 
     def close(self) -> None:
         from .runtime import shutdown
@@ -575,3 +644,15 @@ def serve(conn_fd: int, lifeline_fd: int) -> int:
                 _send(conn, _error_line(e))
     finally:
         rank.close()
+
+
+def main(conn_fd: int, lifeline_fd: int) -> None:
+    """The worker process: :func:`serve`, then exit without the interpreter's teardown (the pipeline and the
+    process group are already freed; unloading torch's modules would only add seconds to every stop)."""
+    code = 1
+    try:
+        code = serve(conn_fd, lifeline_fd)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)

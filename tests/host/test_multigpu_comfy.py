@@ -18,33 +18,11 @@ from support.comfy_graphs import (
     EXAMPLE_IMAGE, EXAMPLES, H, W, alias_package, generate, loader, node_files, save_image, saved_frames, widget_inputs,
 )
 from support.comfy_host import execution_error, progress_events, ws_events
+from support.worker_processes import rss_mib, worker_pids as workers_of
 
 pytestmark = pytest.mark.comfy
 
 MODEL = "lingbot-mgpu-dense"
-
-
-def workers_of(pid: int) -> set:
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[1]) == pid and b"lingbot_core.parallel.workers" in cmdline:
-            out.add(int(entry))
-    return out
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def multi_gpu(gpus: str = "2") -> dict:

@@ -16,39 +16,21 @@ import time
 from pathlib import Path
 
 import pytest
+
 import torch
 
-from lingbot_core.parallel.workers import DevicesBusyError, WorkerError, WorkerPool, claim_devices, release_devices
+from lingbot_core.parallel.workers import (
+    SHARE_BYTES, DevicesBusyError, WorkerError, WorkerPool, claim_devices, release_devices,
+)
+from support.worker_processes import alive, worker_pids as children_running_workers
 
 PLAN = {"cfg_degree": 2, "context_degree": 1, "fsdp": False, "fsdp_text_encoder": False}
 CAPTION = '{"caption": "a red kite over a beach"}'
 RUN = dict(height=64, width=96, num_frames=5, seed=7, output_type="latent")
 
 
-def worker_pids(parent: int = None) -> set:
-    """Live (not zombie) processes whose parent is ``parent`` (this process) and that run a worker."""
-    parent = os.getpid() if parent is None else parent
-    out = set()
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[1]) == parent and b"lingbot_core.parallel.workers" in cmdline:
-            out.add(int(entry))
-    return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
+def worker_pids() -> set:
+    return children_running_workers(os.getpid())
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +63,21 @@ def test_two_ranks_give_the_single_process_latent_and_forward_every_step(pool, s
     assert steps == [(i, 3, (1, 16, 2, 8, 12)) for i in range(3)]
     print(f"\npool start {pool.start_s:.1f} s; worker RSS after a request "
           f"{[round(r / 2 ** 20) for r in pool.rss]} MiB")
+
+
+def test_large_tensors_cross_as_files_both_ways_and_none_is_left(pool, single):
+    """A 3 MiB image in, a 2.7 MiB decode out: above SHARE_BYTES, so both cross as files."""
+    image = torch.rand(512, 512, 3, generator=torch.Generator().manual_seed(3))
+    cond = pool.call("encode_image", image, 128, 192)
+    expected = single.encode_image(image, 128, 192)
+    assert torch.equal(cond.pixels, expected.pixels)
+    assert (cond.posterior.moments - expected.posterior.moments).abs().max().item() <= 1e-5
+    latent = torch.randn(1, 16, 3, 16, 24, generator=torch.Generator().manual_seed(4))
+    frames = pool.call("decode", latent)
+    reference = single.decode(latent)
+    assert frames.shape == reference.shape == (9, 128, 192, 3) and frames.numel() * 4 > SHARE_BYTES
+    assert (frames - reference).abs().max().item() <= 1e-5
+    assert sorted(os.listdir(pool._dir)) == ["cancel"]
 
 
 def test_cancel_stops_every_rank_and_the_next_request_runs(pool, single):
