@@ -146,15 +146,16 @@ class RemotePipeline:
 
     # -- the workers ---------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Start the workers (each loads and parallelizes the pipeline) unless they are running."""
+    def start(self, interrupt=None) -> None:
+        """Start the workers (each loads and parallelizes the pipeline) unless they are running; ``interrupt``
+        (the host's cancel check) is polled while they load."""
         if self.workers is not None:
             return
         load = dict(self._load, offload=self._offload, blocks_on_gpu=self._blocks_on_gpu, loras=list(self._loras),
                     **vars(self.speed))
         self._workers = WorkerPool(load, self.setup.devices, vars(self.setup.plan), label=self.label)
         began = time.monotonic()
-        self._workers.start()
+        self._workers.start(interrupt)
         self.start_seconds = time.monotonic() - began
         logger.info("LingBot-Video: %s runs in %d worker processes (%s); started in %.1f s.", self.label,
                     len(self.setup.devices), self.setup.describe(), self.start_seconds)
@@ -172,7 +173,7 @@ class RemotePipeline:
         self._stop("released")
 
     def _call(self, method: str, *args, **kwargs):
-        self.start()
+        self.start(getattr(kwargs.get("callback"), "interrupt", None))
         result = self._workers.call(method, *args, **kwargs)
         self._stats = dict(self._workers.last_stats)
         return result

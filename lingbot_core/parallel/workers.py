@@ -274,15 +274,16 @@ class WorkerPool:
 
     # -- start ------------------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Spawn the ranks and wait until every one has loaded its pipeline (or raise, leaving nothing)."""
+    def start(self, interrupt: Optional[Callable[[], None]] = None) -> None:
+        """Spawn the ranks and wait until every one has loaded its pipeline (or raise, leaving nothing).
+        ``interrupt`` (the host's cancel check, which raises) is polled while they load: a cancel kills them."""
         with self._lock:
             if self._procs:
                 return
             claim_devices(self.devices, self.label)
             try:
                 self._spawn()
-                self._await_ready()
+                self._await_ready(interrupt)
             except BaseException:
                 self._kill_all()
                 raise
@@ -337,7 +338,7 @@ class WorkerPool:
         return {"rank": rank, "load": self.load, "plan": self.plan, "backend": self.backend, "flag": flag_path,
                 "collective_timeout_s": self.collective_timeout_s, "threads": self.threads}
 
-    def _await_ready(self) -> None:
+    def _await_ready(self, interrupt) -> None:
         deadline = time.monotonic() + self.start_timeout_s
         ready: Dict[int, dict] = {}
         while len(ready) < self.world_size:
@@ -352,6 +353,8 @@ class WorkerPool:
                                       f"{message[1]}: {message[2]}")
                 if message[0] == "ready":
                     ready[rank] = message[1]
+            if interrupt is not None:
+                interrupt()
         self.ready_info = [ready[r] for r in range(self.world_size)]
 
     def _next_messages(self, timeout: float):
@@ -396,7 +399,7 @@ class WorkerPool:
         (the host's cancel), every rank stops at the same later step and that exception is raised here once
         they have. Its ``interrupt()`` attribute, if any, is polled while waiting, with the same effect."""
         with self._lock:
-            self.start()
+            self.start(getattr(callback, "interrupt", None))
             self._seq += 1
             seq = self._seq
             forward = {"steps": callback is not None, "status": getattr(callback, "status", None) is not None}

@@ -145,6 +145,23 @@ def test_stop_leaves_no_process_and_no_file(pool):
     assert worker_pids() == set() and not Path(folder).exists()
 
 
+def test_a_cancel_while_the_workers_load_stops_them(packages):
+    class Cancel(Exception):
+        pass
+
+    began = time.monotonic()
+
+    def interrupt():
+        if time.monotonic() - began > 0.5:
+            raise Cancel()
+
+    pool = WorkerPool({"model_dir": str(packages["dense"])}, ["cpu", "cpu"], PLAN, threads=1)
+    with pytest.raises(Cancel):
+        pool.start(interrupt)
+    assert time.monotonic() - began < 5
+    assert worker_pids() == set() and not pool.running
+
+
 def test_the_same_gpu_for_two_pools_is_refused_naming_the_holder():
     claim_devices(["cuda:0", "cuda:1"], "dense (transformer)")
     try:
