@@ -452,6 +452,8 @@ class WorkerPool:
                 rank, kind, text = first_error
                 raise WorkerError(f"{self.label}: worker rank {rank} ({self.devices[rank]}) failed: {kind}: {text} "
                                   "(the other ranks were stopped; the workers start again when next used).")
+        # rank 0's answer is read (its files deleted) also when an error or a cancel is raised instead
+        result = self._wire.unpack(replies[0][1], delete=True) if replies[0][0] == "ok" else None
         if first_error is not None:
             rank, kind, text = first_error
             if kind == "ValueError" and all(m[0] == "error" and m[2] == text for m in replies.values()):
@@ -463,7 +465,7 @@ class WorkerPool:
             raise WorkerError(f"{self.label}: the workers stopped a request nobody cancelled.")
         self.last_stats = replies[0][2]
         self.rss = [replies[r][2]["rss"] for r in range(self.world_size)]
-        return self._wire.unpack(replies[0][1], delete=True)
+        return result
 
     def _cancel(self, seq: int, error: BaseException) -> BaseException:
         if self._flag is not None:
