@@ -129,7 +129,7 @@ class Wire:
     def pack(self, value):
         import torch
 
-        from ..pipeline import ImageCondition
+        from .. import ImageCondition
 
         if isinstance(value, ImageCondition):
             return (_IMAGE_CONDITION, self.pack(value.posterior.moments), self.pack(value.pixels))
@@ -157,7 +157,7 @@ class Wire:
         import torch
 
         from ..model.latents import Posterior
-        from ..pipeline import ImageCondition
+        from .. import ImageCondition
 
         if _is_tag(value) and value[0] == _IMAGE_CONDITION:
             return ImageCondition(Posterior(self.unpack(value[1], delete)), self.unpack(value[2], delete))
@@ -570,7 +570,7 @@ class _Rank:
     def start(self) -> None:
         import torch
 
-        from ..loading import load_pipeline
+        from .. import load_pipeline
         from .plan import ParallelPlan
         from .runtime import init_distributed, parallelize
 
