@@ -979,7 +979,7 @@ def markdown(report: dict) -> str:
         lines.append("")
     dd = report.get("distributed")
     if dd:
-        lines += [f"Distributed at world size 1 ({dd['backend']} on {dd['device']}, {dd['seconds']} s): all_reduce "
+        lines += [f"Distributed at world size 1 ({dd['backend']} on {dd['device']}, {dd['seconds']} s), measured: all_reduce "
                   f"{'ok' if dd['any_rank'] else 'WRONG'}, all_gather {'equal' if dd['all_gather_equal'] else 'NOT equal'}, "
                   f"FSDP2 forward {'equal' if dd['fsdp_equal'] else 'NOT equal'} to the unsharded module.", ""]
     gg = report.get("gguf")

@@ -294,5 +294,5 @@ def test_distributed_part_at_world_size_one_cpu():
     machine = {"device_name": "cpu", "torch": torch.__version__, "cuda": None, "python": "3", "tf32_matmul": False}
     report = {"size": "tiny", "date": "today", "machine": machine, "distributed": result}
     assert gpu_check.verdict(report)
-    assert "Distributed at world size 1 (cpu:gloo on cpu" in gpu_check.markdown(report)
+    assert "Distributed at world size 1 (cpu:gloo on cpu" in gpu_check.markdown(report)  # labelled "measured"
     assert not gpu_check.verdict({"distributed": dict(result, ok=False)})
