@@ -520,8 +520,9 @@ class WorkerPool:
 
 # -- the worker's side -----------------------------------------------------------------------------------
 
-def _watch_lifeline(fd: int) -> None:
-    """Exit this process as soon as the parent is gone (its end of the pipe closes: EOF)."""
+def _watch_lifeline(fd: int, folder: str) -> None:
+    """Exit this process as soon as the parent is gone (its end of the pipe closes: EOF), deleting the pool's
+    private ``folder`` (the cancel flag, tensor files in flight), which the dead parent can no longer delete."""
     def watch():
         while True:
             try:
@@ -531,6 +532,7 @@ def _watch_lifeline(fd: int) -> None:
                 continue
             except OSError:
                 break
+        shutil.rmtree(folder, ignore_errors=True)
         os._exit(_LIFELINE_EXIT)
 
     threading.Thread(target=watch, name="lingbot-lifeline", daemon=True).start()
@@ -619,9 +621,9 @@ class _Rank:
 def serve(conn_fd: int, lifeline_fd: int) -> int:
     """A worker rank's main loop (run by :class:`WorkerPool` as ``python -c``): set up, then answer
     requests until told to stop or the parent is gone."""
-    _watch_lifeline(lifeline_fd)
     conn = Connection(conn_fd)
-    setup = _recv(conn)
+    setup = _recv(conn)  # a parent gone before sending it closes the socket: EOFError ends this process
+    _watch_lifeline(lifeline_fd, os.path.dirname(setup["flag"]))
     logging.basicConfig(level=logging.WARNING, format=f"[lingbot worker rank {setup['rank']}] %(levelname)s %(message)s")
     rank = _Rank(setup, conn)
     started = time.monotonic()

@@ -186,7 +186,7 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path, packages):
         pool = WorkerPool({{"model_dir": {str(packages["dense"])!r}}}, ["cpu"], {{"cfg_degree": 1}}, threads=1,
                           start_timeout_s=300)
         pool.start()
-        print(json.dumps(pool.pids), flush=True)
+        print(json.dumps([pool.pids, pool._dir]), flush=True)
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGKILL)).start()
         pool.call("generate", {CAPTION!r}, steps=1000, height=64, width=96, num_frames=21)
     """))
@@ -197,11 +197,12 @@ def test_workers_exit_when_their_parent_is_killed(tmp_path, packages):
         proc = subprocess.run([sys.executable, str(script)], stdout=sink, stderr=subprocess.STDOUT, timeout=300, env=env)
     log = out.read_text()
     assert proc.returncode == -signal.SIGKILL, log[-3000:]
-    (pid,) = json.loads([line for line in log.splitlines() if line.startswith("[")][-1])
+    (pid,), folder = json.loads([line for line in log.splitlines() if line.startswith("[")][-1])
     deadline = time.monotonic() + 3
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not alive(pid), "the worker outlived its parent"
+    assert not Path(folder).exists()  # the dead parent's private folder went with its workers
 
 
 def test_gpu_choices_resolve_to_devices_or_say_what_is_wrong():
