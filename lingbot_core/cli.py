@@ -25,6 +25,49 @@ def _window_flags(parser, frames_flag: str, overlap_flag: str, default_frames: i
                         help="frames neighbouring windows share (a multiple of 4)")
 
 
+def _parallel_flags(parser) -> None:
+    """The reference runner's multi-GPU flags (lingbot_core.parallel; run under torchrun, one process per device)."""
+    parser.add_argument("--cfg_parallel_degree", type=int, default=1,
+                        help="2 = the cond and uncond guidance branches on two ranks at once (about 2x faster)")
+    parser.add_argument("--context_parallel_degree", type=int, default=1,
+                        help="split the DiT's tokens over this many ranks (Ulysses; must divide the attention heads)")
+    parser.add_argument("--enable_fsdp_inference", action="store_true",
+                        help="shard the DiT's weights over all ranks (FSDP2; about 1/N of them per rank)")
+    parser.add_argument("--enable_vlm_fsdp_inference", action="store_true",
+                        help="shard the text encoder (Qwen3-VL) over all ranks too")
+
+
+def _start_parallel(args):
+    """This rank's ParallelContext when the flags or torchrun ask for several processes, else None."""
+    import os
+
+    from .parallel import ParallelPlan, init_distributed
+
+    plan = ParallelPlan(cfg_degree=args.cfg_parallel_degree, context_degree=args.context_parallel_degree,
+                        fsdp=args.enable_fsdp_inference, fsdp_text_encoder=args.enable_vlm_fsdp_inference)
+    if plan.world_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    if args.device is not None:
+        raise ValueError("--device does not combine with the parallel flags: each rank uses the device of its "
+                         "LOCAL_RANK (cuda:LOCAL_RANK, or the CPU without CUDA).")
+    return init_distributed(plan)
+
+
+def _write_frames(frames, path, fps: float, image: bool = False) -> str:
+    """``.npy``: the float32 frames (T, H, W, 3) in [0, 1] as they are (runs compare exactly); else mp4 (png for
+    one image)."""
+    import numpy as np
+
+    from .files.video_io import write_png, write_video
+
+    if str(path).endswith(".npy"):
+        np.save(path, np.asarray(frames, dtype=np.float32))
+        return str(path)
+    if image:
+        return str(write_png(frames[0], Path(path).with_suffix(".png")))
+    return str(write_video(frames, path, fps=fps))
+
+
 def _read_video(path):
     """(frames (T, H, W, 3) float32 in [0, 1], fps) of a local video file, within the pipeline's limits."""
     import torch
@@ -82,7 +125,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--shift", type=float, default=3.0)
     g.add_argument("--seed", type=int, default=42)
     g.add_argument("--fps", type=int, default=24)
-    g.add_argument("--output", default="output.mp4", help="mp4 path (png for t2i)")
+    g.add_argument("--output", default="output.mp4", help="mp4 path (png for t2i; .npy = the float32 frames)")
     g.add_argument("--offload", choices=list(OFFLOAD_MODES), default="none")
     g.add_argument("--blocks_on_gpu", type=int, default=0, help="DiT blocks kept on the GPU under --offload block")
     g.add_argument("--dit_precision", choices=list(DIT_DTYPES), default=None,
@@ -125,6 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .safetensors LoRA for the refiner DiT (repeatable)")
     _window_flags(g, "--refiner_context_frames", "--refiner_context_overlap", REFINER_CONTEXT_FRAMES,
                   "the refiner's clip; 0 = the whole video as one clip")
+    _parallel_flags(g)
     f = sub.add_parser("refine", help="a video file through the refiner (e.g. an upscale to 1080p): every frame in, mp4 out")
     f.add_argument("--model_dir", default=None, help="the MoE package root (its refiner/ is loaded)")
     f.add_argument("--refiner_file", default=None, help="the refiner DiT as one file (with --text_encoder_file and --vae_file)")
@@ -153,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--device", default=None)
     f.add_argument("--lora", action="append", default=[], type=parse_lora_arg, metavar="PATH[:STRENGTH]",
                    help="a .safetensors LoRA for the refiner DiT (repeatable)")
-    f.add_argument("--output", default="refined.mp4", help="mp4 path (written at the source's frame rate, at most 24)")
+    f.add_argument("--output", default="refined.mp4",
+                   help="mp4 path (written at the source's frame rate, at most 24; .npy = the float32 frames)")
+    _parallel_flags(f)
     r = sub.add_parser("rewrite", help="prose -> structured JSON caption (prompt.json) through a chat server")
     r.add_argument("--prompt", required=True, help="the prose prompt")
     r.add_argument("--mode", choices=["t2v", "ti2v", "t2i"], default="t2v")
@@ -236,8 +282,8 @@ def generate(args) -> int:
     from PIL import Image
 
     from . import load_pipeline, parse_prompt
+    from .parallel import parallelize
     from .prompts.text_conditioning import compact_json, frames_for_prompt, read_prompt_file
-    from .files.video_io import write_png, write_video
     from .model.refiner import refiner_output_fps
 
     # A prompt file and JSON prompt text go through the same parser: one compact serialisation of
@@ -276,38 +322,44 @@ def generate(args) -> int:
                          f"{'is' if len(missing) == 1 else 'are'} missing.")
     if args.run_refiner and args.model_dir is None and not args.refiner_file:
         raise SystemExit("error: --run_refiner without --model_dir needs --refiner_file (the refiner DiT as one file).")
-    pipe = load_pipeline(args.model_dir, offload=args.offload, device=args.device, loras=args.lora,
+    ctx = _start_parallel(args)
+    device, main = (args.device, True) if ctx is None else (ctx.device, ctx.is_main)
+    pipe = load_pipeline(args.model_dir, offload=args.offload, device=device, loras=args.lora,
                          transformer_file=args.transformer_file, **dit)
+    if ctx is not None:
+        parallelize(pipe, ctx)
     frames = pipe.generate(prompt, negative_prompt=negative, image=image, height=height, width=width,
                            num_frames=num_frames, steps=args.steps, guidance_scale=args.guidance_scale,
-                           shift=args.shift, seed=args.seed, callback=_progress("generate"), step_cache=args.step_cache,
+                           shift=args.shift, seed=args.seed, callback=_progress("generate") if main else None,
+                           step_cache=args.step_cache,
                            sampler=args.sampler, sigmas=args.sigmas, video=video, denoise=args.denoise,
                            context_frames=args.context_frames, context_overlap=args.context_overlap,
                            vae_tiling=args.vae_tiling, prompt_starts=starts)
-    if num_frames == 1 and video is None:
-        out = write_png(frames[0], Path(args.output).with_suffix(".png"))
-    else:
-        out = write_video(frames, args.output, fps=fps)
-    print(out)
+    if main:  # every rank holds the frames; one writes them
+        print(_write_frames(frames, args.output, fps, image=num_frames == 1 and video is None))
     if args.run_refiner and len(frames) > 1:
         pipe.release()  # the refiner pipeline needs its own components; free the base first
-        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
+        refiner = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=device,
                                 loras=args.refiner_lora, transformer_file=args.refiner_file, **dit)
+        if ctx is not None:
+            parallelize(refiner, ctx)
         refined = refiner.refine(frames, prompt, first_frame=image, height=args.refiner_height, width=args.refiner_width,
                                  steps=args.refiner_steps, guidance_scale=args.guidance_scale, shift=args.shift,
                                  t_thresh=args.refiner_t_thresh, tail_steps=args.refiner_sigma_tail_steps,
                                  seed=args.seed, fps=fps, max_frames=args.refiner_max_video_frames,
-                                 callback=_progress("refine"), step_cache=args.step_cache,
+                                 callback=_progress("refine") if main else None, step_cache=args.step_cache,
                                  context_frames=args.refiner_context_frames, context_overlap=args.refiner_context_overlap)
-        path = args.refiner_output or str(Path(args.output).with_name(Path(args.output).stem + "_refined.mp4"))
-        print(write_video(refined, path, fps=refiner_output_fps(fps)))
+        suffix = Path(args.output).suffix if Path(args.output).suffix == ".npy" else ".mp4"
+        path = args.refiner_output or str(Path(args.output).with_name(Path(args.output).stem + "_refined" + suffix))
+        if main:
+            print(_write_frames(refined, path, refiner_output_fps(fps)))
     return 0
 
 
 def refine(args) -> int:
     from . import load_pipeline
-    from .files.video_io import write_video
     from .model.refiner import refiner_output_fps
+    from .parallel import parallelize
     from .prompts.text_conditioning import read_prompt_file
 
     if args.model_dir is None and not (args.refiner_file and args.text_encoder_file and args.vae_file):
@@ -316,16 +368,21 @@ def refine(args) -> int:
                          f"{'is' if len(missing) == 1 else 'are'} missing.")
     prompt = read_prompt_file(args.prompt_json) if args.prompt_json else args.prompt
     video, fps = _read_video(args.video)
-    pipe = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=args.device,
+    ctx = _start_parallel(args)
+    device, main = (args.device, True) if ctx is None else (ctx.device, ctx.is_main)
+    pipe = load_pipeline(args.model_dir, transformer_subfolder="refiner", offload=args.offload, device=device,
                          loras=args.lora, transformer_file=args.refiner_file, blocks_on_gpu=args.blocks_on_gpu,
                          dtypes={"transformer": args.dit_precision} if args.dit_precision else None,
                          text_encoder_file=args.text_encoder_file, vae_file=args.vae_file)
+    if ctx is not None:
+        parallelize(pipe, ctx)
     refined = pipe.refine(video, prompt, negative_prompt=args.negative_prompt, height=args.height, width=args.width,
                           steps=args.steps, guidance_scale=args.guidance_scale, shift=args.shift, t_thresh=args.t_thresh,
                           tail_steps=args.tail_steps, seed=args.seed, fps=fps, vae_tiling=not args.no_vae_tiling,
-                          callback=_progress("refine"), step_cache=args.step_cache,
+                          callback=_progress("refine") if main else None, step_cache=args.step_cache,
                           context_frames=args.context_frames, context_overlap=args.context_overlap)
-    print(write_video(refined, args.output, fps=refiner_output_fps(fps)))
+    if main:
+        print(_write_frames(refined, args.output, refiner_output_fps(fps)))
     return 0
 
 
@@ -346,3 +403,8 @@ def main(argv=None) -> int:
     except (ValueError, FileNotFoundError, ChatServerError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    finally:
+        if args.command in ("generate", "refine"):
+            from .parallel import shutdown
+
+            shutdown()  # a parallel run's process group (no-op otherwise)

@@ -231,6 +231,9 @@ class LingbotPipeline:
         self._log_vram_bound()
         self.speed = SpeedOptions()
         self._compile_pending = False
+        # Set by lingbot_core.parallel.parallelize when one generation is split across processes: its
+        # ``cfg_runner`` (the CFG branches on two ranks, or None) and ``check_denoise``; None = all of it here.
+        self.parallel = None
         self.set_speed(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
 
     # -- placement -------------------------------------------------------------------------------
@@ -275,6 +278,7 @@ class LingbotPipeline:
         ``blocks_on_gpu`` (mode ``block``) and ``devices`` (per-component devices) keep their current
         values when ``None``."""
         self._require_loaded()
+        self._require_unsplit("change the offload mode")
         check_offload_mode(mode)
         if blocks_on_gpu is not None:
             self.offloader.blocks_on_gpu = check_blocks_on_gpu(blocks_on_gpu)
@@ -311,6 +315,7 @@ class LingbotPipeline:
         resident (default on; same frames).
         """
         self._require_loaded()
+        self._require_unsplit("change the speed options")
         new = self.speed.updated(attention=attention, compile_blocks=compile_blocks, cfg_lockstep=cfg_lockstep)
         compiling = new.compile_blocks and not self.speed.compile_blocks
         self.speed = apply_speed(self.transformer, self.speed, new, self.device)
@@ -335,6 +340,7 @@ class LingbotPipeline:
         stack = normalize_stack(loras)
         if stack == self._loras:
             return
+        self._require_unsplit("change the LoRA stack")
         loaded = read_stack(stack, lora_targets(self.transformer))
         mode, device = self.offloader.mode, self.offloader.device
         self.offloader.remove_hooks()  # weights are replaced on their home device, then re-hooked
@@ -365,6 +371,11 @@ class LingbotPipeline:
     def _require_loaded(self):
         if self.transformer is None:
             raise RuntimeError("this pipeline was released; load the model again.")
+
+    def _require_unsplit(self, what: str) -> None:
+        if self.parallel is not None:  # its weights are sharded / hooked across the ranks
+            raise ValueError(f"cannot {what} on a pipeline split across processes ({self.parallel.describe()}): "
+                             "set it when loading, before lingbot_core.parallel.parallelize, or load the model again.")
 
     # -- stages ----------------------------------------------------------------------------------
 
@@ -468,12 +479,17 @@ class LingbotPipeline:
         n_windows = 1 if windows is None else len(windows.spans(latents.shape[2]))
         if n_windows > 1:
             logger.info("LingBot-Video: %s.", windows.describe(latents.shape[2]))
+        cfg_runner = None
+        if self.parallel is not None:
+            self.parallel.check_denoise(step_cache=step_cache)
+            cfg_runner = self.parallel.cfg_runner
         cache = make_step_cache(step_cache, len(sigmas), (2 if g > 1.0 else 1) * n_windows)
         interrupt = getattr(callback, "interrupt", None)  # the host's cancel check, also run between blocks
         if self._compile_pending:
             callback, self._compile_pending = FirstStepsTimer(callback), False
         with self.offloader.stage():
-            self.offloader.expect_forwards(len(sigmas) * n_windows * (2 if g > 1.0 and not self.speed.cfg_lockstep else 1))
+            two_calls = g > 1.0 and not self.speed.cfg_lockstep and cfg_runner is None  # a CFG runner: one branch here
+            self.offloader.expect_forwards(len(sigmas) * n_windows * (2 if two_calls else 1))
             self.offloader.set_interrupt(interrupt)
             device = self.offloader.execution_device("transformer")
             parts = [embeds] if isinstance(embeds, PromptEmbeds) else list(embeds)
@@ -487,7 +503,7 @@ class LingbotPipeline:
                     negative if g > 1.0 else None, guidance_scale=g, condition_latent=cond,
                     scheduler_config=self.scheduler_config, callback=callback,
                     lockstep=self.speed.cfg_lockstep, step_cache=cache, sampler=sampler, generator=generator,
-                    windows=windows, interrupt=interrupt, window_conditions=per_window,
+                    windows=windows, interrupt=interrupt, window_conditions=per_window, cfg_runner=cfg_runner,
                 )
             finally:
                 self.transformer.clear_rope_cache()  # its tables live on the device only during the stage

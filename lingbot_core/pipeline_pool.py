@@ -21,6 +21,7 @@ import threading
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, Iterable, Iterator, Optional, Tuple
 
@@ -273,10 +274,13 @@ class PipelinePool:
         self._placing(self.placing_pins(spec) if pins else 0)
         logger.info("LingBot-Video: loading %s (%s of weights, offload=%s, LoRA: %s).", spec.label, format_bytes(need),
                     offload, describe_stack(loras))
+        options = dict(spec.options)
+        parallel = options.pop("parallel", None)  # a WorkerSetup: the pipeline lives in one process per device
+        load = load_pipeline if parallel is None else partial(parallel.load, label=spec.label)
         try:
-            pipe = load_pipeline(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
-                                 device=spec.device, dtypes=spec.load_dtypes(), blocks_on_gpu=blocks_on_gpu,
-                                 loras=loras, devices=dict(spec.devices), **dict(spec.options))
+            pipe = load(spec.model_dir, transformer_subfolder=spec.transformer_subfolder, offload=offload,
+                        device=spec.device, dtypes=spec.load_dtypes(), blocks_on_gpu=blocks_on_gpu,
+                        loras=loras, devices=dict(spec.devices), **options)
         except BaseException:
             return_freed_memory()  # whatever was read before the failure
             raise

@@ -5,6 +5,7 @@ from .conditioning import EncodeImageVAE, LoadLingbotPrompt
 from .extend import ExtendVideo
 from .loader import LoadLingbotPipeline, LoadLingbotPipelineFiles, UnloadLingbotPipeline
 from .lora import LoadLingbotLoRA
+from .multi_gpu import LingbotMultiGPU
 from .prompting import LingbotNegativePrompt, LingbotRewritePrompt, LingbotRewriterServer
 from .remote import LingbotRemoteGenerate, LingbotRemoteServer
 from .sampling import GenerateVideo, Refine
@@ -26,6 +27,7 @@ NODE_CLASS_MAPPINGS = {
     "LingbotNegativePrompt": LingbotNegativePrompt,
     "LoadLingbotVAE": LoadLingbotVAE,
     "LingbotSpeedOptions": LingbotSpeedOptions,
+    "LingbotMultiGPU": LingbotMultiGPU,
     "LoadLingbotLoRA": LoadLingbotLoRA,
     "LingbotRemoteServer": LingbotRemoteServer,
     "LingbotRemoteGenerate": LingbotRemoteGenerate,
@@ -47,6 +49,7 @@ NODE_DISPLAY_NAME_MAPPINGS = {
     "LingbotNegativePrompt": "LingBot-Video Negative Prompt",
     "LoadLingbotVAE": "LingBot-Video Load VAE (native)",
     "LingbotSpeedOptions": "LingBot-Video Speed Options",
+    "LingbotMultiGPU": "LingBot-Video Multi-GPU",
     "LoadLingbotLoRA": "LingBot-Video Load LoRA",
     "LingbotRemoteServer": "LingBot-Video Remote Server",
     "LingbotRemoteGenerate": "LingBot-Video Remote Generate",

@@ -26,6 +26,7 @@ import torch
 
 from ..lingbot_core.memory.budget import ram_budget_from_env
 from ..lingbot_core.memory.host_memory import shared_pin_budget
+from ..lingbot_core.parallel.remote_pipeline import RemotePipeline
 from ..lingbot_core.pipeline_pool import PipelinePool, PipelineSpec
 
 logger = logging.getLogger("lingbot_video_nodes")
@@ -150,6 +151,8 @@ class PipelineEntry:
         before = self.loaded_size()
         if pipe is None or before == 0 or self.pool.in_use(self.spec) or pipe.offload != "none":
             return 0
+        if isinstance(pipe, RemotePipeline):
+            return 0  # worker processes: their placement is fixed by the plan; ComfyUI then detaches (stops) them
         try:
             pipe.set_offload("model")
         except Exception as e:  # e.g. not enough RAM for the CPU copies: ComfyUI then detaches it

@@ -27,13 +27,14 @@ TRANSFORMERS = ["transformer", "refiner"]
 
 def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                     blocks_on_gpu=0, speed_options=None, text_encoder_device=DEFAULT, vae_device=DEFAULT,
-                    files=None):
+                    files=None, multi_gpu=None):
     """The one place that turns the loader's widgets into a handle (new loader options go here).
 
     Every value is checked against its list first (0.3.75 does not validate every combination) and the
     package is checked (folders, safetensors headers); no weight is read. ``files`` (component -> name
     in a ComfyUI models folder, or "(from the package)") replaces package components by single files; with
-    ``files``, ``model`` may be :data:`NO_PACKAGE` (the three files alone).
+    ``files``, ``model`` may be :data:`NO_PACKAGE` (the three files alone). ``multi_gpu`` (a WorkerSetup from
+    the Multi-GPU node) puts the pipeline in one worker process per GPU.
     """
     for name, value, allowed in (("offload", offload, list(OFFLOAD_MODES)),
                                  ("dit_precision", dit_precision, DIT_PRECISIONS),
@@ -64,6 +65,9 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
                              f"{', '.join(missing)} (or choose a package as 'model' to take it from there).")
     else:
         names[str(folder)] = names[str(Path(folder).resolve())] = f"package '{model}'"
+    if multi_gpu is not None:
+        check_multi_gpu(multi_gpu, offload, text_encoder_device, vae_device)
+        chosen["parallel"] = multi_gpu
     try:
         return pipe_pool().handle(folder, transformer_subfolder=transformer, offload=offload,
                                   dtypes=dtypes, device=comfy_device(),
@@ -76,6 +80,14 @@ def pipeline_handle(model, transformer, offload, dit_precision, text_encoder_pre
             raise
         kind = type(error) if type(error) in (ValueError, ModelPackageError) else ValueError
         raise kind(message) from None
+
+
+def check_multi_gpu(setup, offload, text_encoder_device, vae_device) -> None:
+    """What a Multi-GPU pipeline cannot combine with, refused at the loader (before any worker starts)."""
+    if text_encoder_device != DEFAULT or vae_device != DEFAULT:
+        raise ValueError("text_encoder_device / vae_device must stay 'default' with Multi-GPU: each worker keeps its "
+                         "whole pipeline on its own GPU (use fsdp_text_encoder to spread the text encoder).")
+    setup.plan.check(offload=offload)
 
 
 def without_paths(message: str, names: dict) -> str:
@@ -195,17 +207,18 @@ class LoadLingbotPipeline:
                                         "tooltip": "Where the Qwen3-VL text encoder (8.3 GiB bf16) runs: default = ComfyUI's GPU (with the DiT), cpu, or a second GPU so the DiT's card holds only the DiT. The offload mode applies to it on that device."}),
                 "vae_device": (device_choices(), {"default": DEFAULT,
                                "tooltip": "Where the VAE runs: default = ComfyUI's GPU (with the DiT), cpu, or a second GPU. The offload mode applies to it on that device."}),
+                "multi_gpu": ("LINGBOT_MULTI_GPU", {"tooltip": "From 'LingBot-Video Multi-GPU': the pipeline runs in one worker process per GPU (CFG / context parallel, FSDP). Unconnected = this process, ComfyUI's GPU."}),
             },
             "hidden": {"prompt": "PROMPT", "unique_id": "UNIQUE_ID"},
         }
 
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              blocks_on_gpu=0, speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT,
-             vae_device=DEFAULT):
+             vae_device=DEFAULT, multi_gpu=None):
         check_refiner_packages(prompt)
         check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
-                               blocks_on_gpu, speed_options, text_encoder_device, vae_device)
+                               blocks_on_gpu, speed_options, text_encoder_device, vae_device, multi_gpu=multi_gpu)
         job = current_job()
         if job is not None and unique_id is not None:
             # Until these nodes have used it, the pipeline is not evicted to make room for another one.
@@ -242,12 +255,14 @@ class LoadLingbotPipelineFiles(LoadLingbotPipeline):
 
     def load(self, model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
              dit_file=FROM_PACKAGE, text_encoder_file=FROM_PACKAGE, vae_file=FROM_PACKAGE, blocks_on_gpu=0,
-             speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT, vae_device=DEFAULT):
+             speed_options=None, prompt=None, unique_id=None, text_encoder_device=DEFAULT, vae_device=DEFAULT,
+             multi_gpu=None):
         check_refiner_packages(prompt)
         check_consumers(prompt, unique_id, transformer)
         pipe = pipeline_handle(model, transformer, offload, dit_precision, text_encoder_precision, vae_precision,
                                blocks_on_gpu, speed_options, text_encoder_device, vae_device,
-                               files={"transformer": dit_file, "text_encoder": text_encoder_file, "vae": vae_file})
+                               files={"transformer": dit_file, "text_encoder": text_encoder_file, "vae": vae_file},
+                               multi_gpu=multi_gpu)
         job = current_job()
         if job is not None and unique_id is not None:
             pipe.pool.expect(pipe.spec, job, _consumers(prompt, unique_id))

@@ -31,6 +31,9 @@ Parts, in this order, each written to ``gpu-check.json`` / ``gpu-check.md`` in `
    DiT (``cpu``; and ``cuda:1`` when a second GPU is present), offload ``none`` and ``model``, against the
    default placement on the same loaded copy: frames bit-identical on a second GPU of the same kind, within
    the precision bounds with the CPU; on CUDA the DiT device's peak memory per placement.
+   **distributed** (issue 49): ``lingbot_core.parallel``'s process group at world size 1 (NCCL on CUDA, gloo on
+   the CPU): all_reduce, all_gather over the mesh's "cfg" group and an FSDP2-sharded module's forward, each
+   equal to the unsplit result (the multi-GPU splits themselves need 2+ GPUs: tests/parallel runs them on CPUs).
 4. **speed** (CUDA only; issue 17): ``bench.speed.device_rows`` on the dense package, TI2V 320x192x49
    (``--speed-steps``, default 20): attention sdpa / flash_attn / sage (those installed), compile on /
    off, ``block`` K=0 with and without CFG lockstep, step cache 0.05 and 0.1: time and peak VRAM as
@@ -136,7 +139,7 @@ MIB = 1024 * 1024
 # DiT from the tiled pool, its homes copied into page-locked memory at the stage start, two steps). With
 # precision 20 s and the package build 60 s, 10 + 60 + 20 + 55 + 45 = 190 s of reservations still leave the
 # rows their 150 s floor inside the device call's 420 s budget (420 - 80 - 150 = 190).
-PART_ESTIMATE_S = {"placement": 10, "speed": 150, "gguf": 60, "moe": 20, "ring": 55, "decode": 45}
+PART_ESTIMATE_S = {"placement": 10, "distributed": 5, "speed": 150, "gguf": 60, "moe": 20, "ring": 55, "decode": 45}
 # The parts after the rows, in the order they run. Decode comes before ring (gpu-review-4 finding 6): a row group
 # started just before the rows' deadline runs on (a moe-bf16 group: 30-60 s), and what it overruns is taken from
 # the last part; decode is the one 1080p refine-decode answer, ring has a CPU-fake counterpart.
@@ -744,6 +747,42 @@ def gguf_check(device, workdir: Path, size: str) -> dict:
     return {"latent": list(latent), "rows": rows, "syncs_outside_the_forward": list(SYNCS_OUTSIDE_THE_FORWARD)}
 
 
+def distributed_check(device) -> dict:
+    """Issue 49: the multi-GPU path at world size 1 (the lent machine has one GPU): lingbot_core.parallel's process
+    group (NCCL on CUDA, gloo on the CPU) with its bounded timeout, the collectives it uses (all_reduce for a
+    collective cancel, all_gather for CFG parallel, over the mesh's "cfg" group) and an FSDP2-sharded module's
+    forward against the same module unsharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    from lingbot_core.parallel import ParallelPlan, init_distributed, shutdown
+
+    t0 = time.perf_counter()
+    ctx = init_distributed(ParallelPlan(), backend="nccl" if device.type == "cuda" else "gloo", timeout_s=120)
+    try:
+        x = torch.arange(6.0, device=ctx.device)
+        parts = [torch.empty_like(x)]
+        dist.all_gather(parts, x, group=ctx.mesh.get_group("cfg"))
+        gen = torch.Generator().manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8)).to(ctx.device)
+        inp = torch.randn(4, 64, generator=gen).to(ctx.device)
+        with torch.no_grad():
+            ref = model(inp)
+            mesh = DeviceMesh(ctx.device.type, torch.arange(1), mesh_dim_names=("fsdp",))
+            for unit in (model[0], model[2], model):
+                fully_shard(unit, mesh=mesh, reshard_after_forward=True)
+            out = model(inp)
+        result = {"backend": str(dist.get_backend()), "device": str(ctx.device), "world_size": ctx.world_size,
+                  "any_rank": ctx.any_rank(True), "all_gather_equal": bool(torch.equal(parts[0], x)),
+                  "fsdp_equal": bool(torch.equal(out, ref))}
+    finally:
+        shutdown()
+    result["seconds"] = round(time.perf_counter() - t0, 2)
+    result["ok"] = result["any_rank"] and result["all_gather_equal"] and result["fsdp_equal"]
+    return result
+
+
 def moe_check(device, size: str) -> dict:
     """``bench.moe_ffn``'s variants, each against an fp64 product of the same bf16 operands (judged by
     :func:`grouped_within_bound`); on CUDA the host syncs of one layer call per dispatch."""
@@ -874,6 +913,8 @@ def verdict(report: dict) -> bool:
             checks.append(res["same_as"]["equal"])
     if "placement" in report:
         checks += [r["ok"] for r in report["placement"]["runs"]]
+    if "distributed" in report:
+        checks.append(report["distributed"]["ok"])
     if "moe" in report:
         moe = report["moe"]
         checks.append(moe["bit_identical_to_before"].get("slices", False))  # the loop keeps its bits
@@ -936,6 +977,11 @@ def markdown(report: dict) -> str:
             lines.append(f"| {r['other']} | {r['mode']} | {r['max_abs']:.3g} | {r.get('dit_device_peak_mib', '—')} | "
                          f"{'yes' if r['ok'] else 'NO'} |")
         lines.append("")
+    dd = report.get("distributed")
+    if dd:
+        lines += [f"Distributed at world size 1 ({dd['backend']} on {dd['device']}, {dd['seconds']} s), measured: all_reduce "
+                  f"{'ok' if dd['any_rank'] else 'WRONG'}, all_gather {'equal' if dd['all_gather_equal'] else 'NOT equal'}, "
+                  f"FSDP2 forward {'equal' if dd['fsdp_equal'] else 'NOT equal'} to the unsharded module.", ""]
     gg = report.get("gguf")
     if gg:
         lines += ["GGUF MoE DiT in offload block (latent " + "x".join(map(str, gg["latent"])) + "; s/step from step 2); "
@@ -1028,8 +1074,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(REPO / "out" / "gpu-check"))
     p.add_argument("--workdir", default=os.environ.get("LINGBOT_BENCH_CACHE", str(Path.home() / ".cache" / "lingbot-bench")))
     p.add_argument("--steps", type=int, default=None, help="override the workload's steps (default 8 on CUDA, 2 on CPU)")
-    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, speed, gguf, moe, "
-                                              "ring, decode")
+    p.add_argument("--skip", default="", help="comma-separated parts to skip: precision, rows, placement, distributed, "
+                                              "speed, gguf, moe, ring, decode")
     p.add_argument("--decode-frames", type=int, default=DECODE_FRAMES, help="frames of the decode part's 1088x1920 video (CUDA; default: the refiner's 121)")
     p.add_argument("--speed-steps", type=int, default=20, help="steps of the speed part's workload (CUDA)")
     p.add_argument("--rows", default="", help="comma-separated row names to run (default: all)")
@@ -1162,6 +1208,9 @@ def main(argv=None) -> int:
 
         if part("placement"):
             attempt("placement", lambda: report.__setitem__("placement", placement_check(device, Path(tmp))))
+
+        if part("distributed"):
+            attempt("distributed", lambda: report.__setitem__("distributed", distributed_check(device)))
 
         def gguf_part():  # the GGUF files (and their side package) are cached in --workdir at full size
             report["gguf"] = gguf_check(device, workdir_full if args.size == "full" else Path(tmp), args.size)

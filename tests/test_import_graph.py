@@ -3,7 +3,8 @@ lingbot_core's wings keep their layers.
 
 A cycle is how a "bottom" module starts depending on the loader again. The wings' directions are the
 ones their ``__init__.py`` states: files/ at the bottom, model/ above it, memory/ and sampling/ beside
-each other above the model, net/ on its own with prompts/ above it; no wing imports the top-level
+each other above the model, net/ on its own with prompts/ above it, parallel/ above the model and the
+sampling (it is handed a pipeline, never imports one); no wing imports the top-level
 modules (loading, pipeline, pipeline_pool, cli, remote), and the product never imports testing/.
 """
 
@@ -21,6 +22,7 @@ WING_RULES = {
     "sampling": {"model"},
     "net": set(),
     "prompts": {"net", "files"},
+    "parallel": {"model", "sampling"},
     "testing": {"files", "model"},
 }
 MAX_TOP_MODULES = 8

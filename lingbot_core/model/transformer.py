@@ -236,6 +236,9 @@ class Attention(nn.Module):
         self.to_out = Linear(dim, dim, bias=out_bias)
         # The one attention dispatch point (diffusers' dispatcher); chosen per model, see lingbot_core.model.attention.
         self.backend = AttentionBackendName.NATIVE
+        # diffusers' ParallelConfig under context parallel (lingbot_core.parallel): the dispatcher then runs
+        # Ulysses attention over the context ranks; None = local attention.
+        self.parallel_config = None
 
     def forward(self, a: torch.Tensor, freqs: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         b, s, _ = a.shape
@@ -244,7 +247,7 @@ class Attention(nn.Module):
         v = self.to_v(a, dtype).view(b, s, self.heads, -1)
         q = apply_rope(self.norm_q(q), freqs)
         k = apply_rope(self.norm_k(k), freqs)
-        o = dispatch_attention_fn(q, k, v, backend=self.backend)  # (B, S, heads, head_dim) in and out
+        o = dispatch_attention_fn(q, k, v, backend=self.backend, parallel_config=self.parallel_config)  # (B, S, heads, head_dim)
         return self.to_out(o.reshape(b, s, -1), dtype)
 
 
@@ -727,6 +730,12 @@ class LingBotVideoTransformer3DModel(ModelMixin, ConfigMixin):
         for module in self.modules():
             if isinstance(module, Attention):
                 module.backend = backend
+
+    def set_attention_parallel(self, config) -> None:
+        """Give every attention diffusers' ``ParallelConfig`` (context parallel, see lingbot_core.parallel); None = local."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.parallel_config = config
 
     def forward(self, hidden_states: torch.Tensor, timestep: torch.Tensor, encoder_hidden_states, step_cache=None):
         """hidden_states (B, C, T, H, W) DiT-space latents; timestep (B,) in [0, 1000];

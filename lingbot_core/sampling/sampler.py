@@ -22,6 +22,12 @@ from .step_cache import StepCache
 # (the step cache's computed / skipped counts).
 StepCallback = Callable[[int, int, torch.Tensor], None]
 
+# Runs the two CFG branches of one DiT call somewhere else (lingbot_core.parallel: one branch per rank):
+# ``cfg_runner(branch, positive, negative)`` -> ``(v_cond, v_uncond)``, where ``branch(text, j)`` runs the DiT
+# on branch ``j`` (0 cond, 1 uncond) and returns its fp32 velocity. Every rank gets both velocities back.
+CfgRunner = Callable[[Callable[[torch.Tensor, int], torch.Tensor], torch.Tensor, torch.Tensor],
+                     Tuple[torch.Tensor, torch.Tensor]]
+
 
 def sample(
     transformer,
@@ -41,6 +47,7 @@ def sample(
     windows: Optional[ContextWindows] = None,
     interrupt: Optional[Callable[[], None]] = None,
     window_conditions: Optional[Sequence[Tuple[torch.Tensor, Optional[torch.Tensor]]]] = None,
+    cfg_runner: Optional[CfgRunner] = None,
 ) -> torch.Tensor:
     """Integrate the flow from ``latents`` (fp32, DiT space, on the DiT's execution device).
 
@@ -62,6 +69,8 @@ def sample(
     call when there are several, so a cancel waits for one window, not for a whole step.
     ``window_conditions`` (a prompt schedule): one ``(positive, negative)`` per window, replacing
     ``positive`` / ``negative`` for that window's forwards.
+    ``cfg_runner`` (:data:`CfgRunner`, None = both branches here) computes the two guidance branches, e.g. on two
+    ranks at once; ``lockstep`` then does not apply.
     """
     do_cfg = guidance_scale > 1.0
     if do_cfg and negative is None:
@@ -90,7 +99,10 @@ def sample(
 
     def guided(xw, t_model, window):
         positive, negative = conditions(window)
-        if do_cfg and lockstep:
+        if do_cfg and cfg_runner is not None:
+            v, v_uncond = cfg_runner(
+                lambda text, j: transformer(xw, t_model, text, step_cache=caches(window, j)).float(), positive, negative)
+        elif do_cfg and lockstep:
             v, v_uncond = (o.float() for o in transformer(xw, t_model, [positive, negative], step_cache=caches(window, 0, 1)))
         else:
             v = transformer(xw, t_model, positive, step_cache=caches(window, 0)).float()

@@ -280,3 +280,19 @@ def test_pinning_is_left_out_of_the_step_weighting():
     pinned = gpu_check.step_weights(20.0 + 7.5, stamps, 4, pin_s=7.5)
     assert plain == {"per_step_s": 1.0, "fixed_s": 16.0, "projected_s": 56.0}
     assert pinned == plain
+
+
+def test_distributed_part_at_world_size_one_cpu():
+    """The multi-GPU part on the CPU (gloo; NCCL on the lent GPU): the collectives and an FSDP2 forward equal the
+    unsplit results, the process group is left afterwards, and the verdict and Markdown carry it."""
+    import torch.distributed as dist
+
+    gpu_check = _gpu_check_module()
+    result = gpu_check.distributed_check(torch.device("cpu"))
+    assert result["ok"] and result["backend"] == "cpu:gloo" and result["world_size"] == 1
+    assert not dist.is_initialized()
+    machine = {"device_name": "cpu", "torch": torch.__version__, "cuda": None, "python": "3", "tf32_matmul": False}
+    report = {"size": "tiny", "date": "today", "machine": machine, "distributed": result}
+    assert gpu_check.verdict(report)
+    assert "Distributed at world size 1 (cpu:gloo on cpu" in gpu_check.markdown(report)  # labelled "measured"
+    assert not gpu_check.verdict({"distributed": dict(result, ok=False)})
