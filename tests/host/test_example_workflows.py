@@ -55,9 +55,9 @@ def test_the_height_estimate_reproduces_the_frontends_own(renderer, node, rows, 
 
 
 def test_the_estimate_counts_the_loaders_widgets_as_the_frontend_drew_them(schemas):
-    # The calibration screenshots' loader: 1 slot row (speed_options / pipe), 9 one-line widgets.
+    # The calibration screenshots' loader: 2 slot rows (speed_options and multi_gpu / pipe), 9 one-line widgets.
     loader = schemas["LoadLingbotPipeline"]
-    assert (max(loader["slots"], loader["outputs"]), [k for _, k in loader["kinds"]], loader["custom"]) == (1, ["row"] * 9, True)
+    assert (max(loader["slots"], loader["outputs"]), [k for _, k in loader["kinds"]], loader["custom"]) == (2, ["row"] * 9, True)
     generate = schemas["GenerateVideo"]
     kinds = [k for _, k in generate["kinds"]]
     assert kinds[:2] == ["multiline"] * 2 and kinds.count("seed_control") == 1 and kinds.count("text") == 1
