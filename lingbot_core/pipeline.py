@@ -627,6 +627,9 @@ class LingbotPipeline:
         v2v = (video is not None or video_latent is not None) and denoise < 1.0
         if (video is not None or video_latent is not None) and not v2v:
             logger.info("LingBot-Video: denoise 1.0 is plain text-to-video; the input video is not used.")
+        elif denoise < 1.0 and not v2v:
+            logger.warning("LingBot-Video: denoise %g has no effect without a video (it is a video-to-video strength); "
+                           "the whole schedule runs. Connect a video, or set denoise to 1.0.", denoise)
         sigmas = sampler_sigmas(sampler, steps, float(shift), sigmas, denoise if v2v else 1.0)
         if v2v:
             logger.info("LingBot-Video V2V: %d steps from sigma %.4f (denoise %g%s).", len(sigmas), float(sigmas[0]), denoise,

@@ -300,12 +300,15 @@ def test_v2v_with_an_image_pins_the_first_frame(dense_pipe, test_image):
     assert not torch.equal(calls[0]["x"][:, :, 1:2], calls[-1]["x"][:, :, 1:2])
 
 
-def test_denoise_below_one_without_a_video_runs_the_full_grid(dense_pipe):
+def test_denoise_below_one_without_a_video_runs_the_full_grid(dense_pipe, caplog):
     """``denoise`` is a video-to-video strength: with no video a plain text-to-video run samples the whole
     grid (the DiT sees the full grid's timesteps) and gives the latent of denoise 1.0."""
+    import logging
+
     run = dict(SIZE, num_frames=5, steps=2, seed=11, guidance_scale=1.0, output_type="latent")
-    with dit_calls(dense_pipe) as calls:
+    with dit_calls(dense_pipe) as calls, caplog.at_level(logging.WARNING, logger="lingbot_core"):
         got = dense_pipe.generate("a cat", denoise=0.5, **run)
+    assert "denoise 0.5 has no effect without a video" in caplog.text, caplog.text
     assert [int(c["t"].item()) for c in calls] == (flow_grid(2) * 1000).astype(np.int64).tolist()
     assert torch.equal(got, dense_pipe.generate("a cat", **run))
 
