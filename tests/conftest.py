@@ -34,6 +34,17 @@ def broken_packages(tmp_path_factory):
     return write_broken_packages(tmp_path_factory.mktemp("broken"))
 
 
+@pytest.fixture(scope="module")
+def dense(packages):
+    """One dense pipeline per test module, for tests that do not change it (loading and releasing per test
+    dominates their run time); ``dense_pipe`` is a fresh one per test."""
+    from lingbot_core import load_pipeline
+
+    pipe = load_pipeline(packages["dense"], device="cpu")
+    yield pipe
+    pipe.release()
+
+
 @pytest.fixture
 def dense_pipe(packages):
     from lingbot_core import load_pipeline

@@ -6,20 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_core import load_pipeline
 from lingbot_core.model.color_match import match_color
 from lingbot_core.pipeline_pool import PipelinePool
 
 H, W = 64, 96
 T = 7  # not 4n+1: the input's own length is kept
 RUN = dict(steps=2, seed=5)
-
-
-@pytest.fixture(scope="module")
-def dense(packages):
-    pipe = load_pipeline(packages["dense"], device="cpu")
-    yield pipe
-    pipe.release()
 
 
 @pytest.fixture(scope="module")

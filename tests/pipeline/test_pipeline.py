@@ -18,14 +18,6 @@ REFINE = dict(height=64, width=128, steps=3, tile_size=(32, 32), tile_stride=(24
 
 
 @pytest.fixture(scope="module")
-def dense(packages):
-    """One dense pipeline for the module (loading and releasing per test dominates the run time)."""
-    pipe = load_pipeline(packages["dense"], device="cpu")
-    yield pipe
-    pipe.release()
-
-
-@pytest.fixture(scope="module")
 def moe(packages):
     pipe = load_pipeline(packages["moe"], device="cpu")
     yield pipe

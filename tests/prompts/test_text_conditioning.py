@@ -15,16 +15,6 @@ from lingbot_core.prompts.text_conditioning import (
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 
 
-@pytest.fixture(scope="module")
-def dense(packages):
-    """One dense pipeline for the module's read-only checks (the cache tests use a fresh dense_pipe)."""
-    from lingbot_core import load_pipeline
-
-    pipe = load_pipeline(packages["dense"], device="cpu")
-    yield pipe
-    pipe.release()
-
-
 def _sha(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
